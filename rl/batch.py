@@ -1,0 +1,70 @@
+"""The data contract between rollout, reward and trainer: one `Sample` per generated response.
+
+Field meanings are those of ../shared/design.md (RolloutBatch). Everything here is plain Python and
+numpy so that a batch crosses Ray process boundaries cheaply and without torch in the rollout process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    # The sampled token's log-prob after temperature (vLLM logprobs_mode="processed_logprobs"),
+    # one per response token.
+    response_logprobs: np.ndarray
+    finish_reason: str
+    adapter_version: int
+    group: int
+    data_source: str = ""
+    ground_truth: str = ""
+    # [len(prompt) + len(response) - 1, num_layers, top_k], uint8 or uint16; None without R3 / dense.
+    routed_experts: np.ndarray | None = None
+    # Filled by the reward step.
+    reward: float | None = None
+    acc: bool | None = None
+    pred: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.response_logprobs = np.asarray(self.response_logprobs, dtype=np.float32)
+        if len(self.response_logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"Sample.response_logprobs has {len(self.response_logprobs)} entries for "
+                f"{len(self.response_ids)} response tokens"
+            )
+        if self.routed_experts is not None:
+            expected = len(self.prompt_ids) + len(self.response_ids) - 1
+            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != expected:
+                raise ValueError(
+                    f"Sample.routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
+                    f"[{expected} (prompt + response - 1), num_layers, top_k]"
+                )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class RolloutBatch:
+    samples: list[Sample]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def groups(self) -> dict[int, list[Sample]]:
+        """Samples by prompt index, in order of first appearance."""
+        out: dict[int, list[Sample]] = {}
+        for s in self.samples:
+            out.setdefault(s.group, []).append(s)
+        return out
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(len(s.response_ids) for s in self.samples)
