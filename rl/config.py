@@ -1,0 +1,691 @@
+"""The typed configuration: one dataclass per section, loaded from a YAML recipe plus `key=value` overrides.
+
+    cfg = load_config("recipes/demo_cpu.yaml", ["trainer.lr=3e-4", "run.name=try1"])
+    cfg.trainer.lr, cfg.rollout.n, run_dir(cfg)
+    save_config(cfg, run_dir(cfg) / "config.yaml")     # fully resolved; load_config() gives it back
+
+Each field carries a doc line, and where it applies its choices or bounds, in its metadata: validate()
+checks them and `rl.config_docs` turns them into docs/config.md. A mistake in a recipe or an override
+raises `ConfigError`, whose message names where it came from (file or override), the full key path,
+what was expected and, for an unknown key, the nearest valid one. `${...}` interpolations (OmegaConf)
+are allowed and resolved on load.
+"""
+
+import copy
+import dataclasses
+import difflib
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+
+def _f(default: Any, doc: str, choices: tuple = (), *, ge=None, gt=None, le=None, lt=None) -> Any:
+    """A field with its doc line, allowed choices and bounds in its metadata (read by validate, the docs)."""
+    meta = {"doc": doc, "choices": choices, "bounds": {"ge": ge, "gt": gt, "le": le, "lt": lt}}
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    if isinstance(default, type) and dataclasses.is_dataclass(default):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The schema
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunConfig:
+    """Naming and seeding of a run."""
+
+    name: str = _f(MISSING, "Run name; the run directory is `runs/<name>` unless `run.dir` is set.")
+    dir: str = _f("", "Run directory ('' = `runs/<run.name>`, relative to the working directory).")
+    seed: int = _f(0, "Base seed; `rollout.seed` and `data.seed` follow it unless set.")
+
+
+@dataclass
+class MakeTinyConfig:
+    """Build the policy with `sparkrl make-tiny` (cached) instead of loading `model.path`: the CPU demo."""
+
+    arch: str = _f("", "Tiny architecture to build ('' = off).", ("", "dense", "qwen3_moe", "muse"))
+    sft: str = _f("", "Supervised warm-up giving the tiny model a starting policy ('' = none).",
+                  ("", "arith"))
+    seed: int = _f(0, "Seed of the tiny model's initialisation and warm-up.")
+
+
+@dataclass
+class ModelConfig:
+    """The policy's base weights, for the trainer and for the rollout engine."""
+
+    path: str = _f("", "Trainer weights: a Hugging Face id or directory, or an NVFP4 compressed-tensors "
+                   "directory (dequantized to `model.dtype` on load). Required unless `model.make_tiny.arch` "
+                   "is set.")
+    rollout_path: str = _f("", "Rollout weights, e.g. the NVFP4 checkpoint ('' = same as `model.path`).")
+    dtype: str = _f("bfloat16", "Dtype of the frozen base weights on both sides.", ("bfloat16", "float32"))
+    trust_remote_code: bool = _f(False, "Allow model code shipped with the checkpoint (transformers, vLLM).")
+    make_tiny: MakeTinyConfig = _f(MakeTinyConfig, "Tiny model built on the fly (CPU demo and tests).")
+
+
+@dataclass
+class RolloutConfig:
+    """The vLLM rollout workers."""
+
+    n: int = _f(8, "Samples per prompt (the GRPO group size).", ge=1)
+    temperature: float = _f(1.0, "Sampling temperature.", gt=0)
+    top_p: float = _f(1.0, "Nucleus sampling threshold (1.0 = off).", gt=0, le=1)
+    max_prompt_len: int = _f(2048, "Longest prompt in tokens; longer prompts are dropped from the data.",
+                             ge=1)
+    max_response_len: int = _f(4096, "Most tokens generated for one response.", ge=1)
+    num_workers: int = _f(1, "Rollout engines (vLLM instances).", ge=1)
+    tensor_parallel_size: int = _f(1, "GPUs per rollout engine.", ge=1)
+    gpu_memory_utilization: float = _f(0.5, "Fraction of each GPU's memory vLLM may take (weights and KV "
+                                       "cache).", gt=0, le=1)
+    max_model_len: int = _f(0, "vLLM context length (0 = max_prompt_len + the longer of max_response_len and "
+                            "`eval.max_response_len`).", ge=0)
+    enforce_eager: bool = _f(False, "Disable CUDA graphs (faster start, slower decode).")
+    max_num_seqs: int = _f(256, "Most sequences a vLLM engine decodes at once.", ge=1)
+    seed: int = _f("${run.seed}", "Sampling seed.")
+    cpu_kvcache_gb: float = _f(0.0, "KV cache size in GiB on the vLLM CPU backend (0 = vLLM's default).",
+                               ge=0)
+    placement: str = _f("colocated", "Share GPUs with the trainer (colocated) or use GPUs of their own "
+                        "(split).",
+                        ("colocated", "split"))
+    enable_prefix_caching: bool = _f(True, "Reuse the KV cache of a shared prompt across its n samples.")
+    moe_backend: str = _f("auto", "MoE kernel for quantized experts (marlin: weight-only FP4 on Hopper).",
+                          ("auto", "marlin"))
+
+
+@dataclass
+class TrainerConfig:
+    """The FSDP2 trainer workers and the optimizer."""
+
+    total_steps: int = _f(100, "Training steps (one batch of prompts each).", ge=1)
+    num_ranks: int = _f(1, "Trainer processes (one per GPU; gloo processes on CPU).", ge=1)
+    lr: float = _f(1.0e-5, "Peak learning rate of the LoRA parameters.", gt=0)
+    lr_schedule: str = _f("constant", "Schedule after warm-up.", ("constant", "cosine"))
+    warmup_steps: int = _f(0, "Linear warm-up from 0 to `trainer.lr`, in optimizer steps.", ge=0)
+    min_lr_ratio: float = _f(0.0, "Final learning rate of the cosine schedule, as a fraction of "
+                             "`trainer.lr`.",
+                             ge=0, le=1)
+    weight_decay: float = _f(0.0, "AdamW weight decay.", ge=0)
+    betas: list[float] = _f([0.9, 0.999], "AdamW betas [beta1, beta2], each in [0, 1).")
+    eps: float = _f(1.0e-8, "AdamW epsilon.", gt=0)
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 = no clipping).", ge=0)
+    ppo_epochs: int = _f(1, "Passes over each batch.", ge=1)
+    mini_batch_size: int = _f(0, "Prompts per optimizer step, each with its `rollout.n` samples (0 = the "
+                              "whole batch: one optimizer step per epoch).", ge=0)
+    micro_batch_tokens: int = _f(16384, "Token budget of one forward/backward per rank (sequences are packed "
+                                 "up to it; 0 = use `trainer.micro_batch_size`).", ge=0)
+    micro_batch_size: int = _f(0, "Sequences per forward/backward per rank, when `micro_batch_tokens` is 0.",
+                               ge=0)
+    activation_checkpointing: bool = _f(True, "Recompute each decoder layer's activations in backward.")
+    dtype: str = _f("float32", "Dtype of the LoRA parameters and optimizer state.", ("float32", "bfloat16"))
+    checkpoint_every: int = _f(50, "Save a checkpoint every N steps (0 = only at the end).", ge=0)
+    keep_checkpoints: int = _f(3, "Most recent checkpoints kept (0 = keep all).", ge=0)
+    max_skipped_steps: int = _f(3, "Consecutive steps skipped for a non-finite loss or gradient before the "
+                                "run fails.", ge=0)
+
+
+@dataclass
+class LoraConfig:
+    """The LoRA adapter: the only trained parameters."""
+
+    rank: int = _f(32, "LoRA rank r.", ge=1)
+    alpha: float = _f(64.0, "LoRA alpha; the update is scaled by alpha / r.", gt=0)
+    dropout: float = _f(0.0, "Dropout on the LoRA input.", ge=0, lt=1)
+    target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"],
+                                   "Module names (last path component) that get an adapter: attention here.")
+    target_experts: bool = _f(True, "Adapters on every routed expert's `lora.expert_modules`.")
+    expert_modules: list[str] = _f(["gate_proj", "up_proj", "down_proj"], "Projections of a routed expert.")
+    target_latent: bool = _f(False, "Adapters on the latent MoE pooler and unpooler (Muse Spark Open).")
+    extra: str = _f("", "Regex over full module names that also get an adapter ('' = none).")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance weights pi_trainer / pi_rollout that correct for rollout-trainer mismatch."""
+
+    tis_cap: float = _f(0.0, "Truncated importance sampling: weight each token by min(ratio, cap) (0 = off; "
+                        "else at least 1).", ge=0)
+    mis_low: float = _f(0.0, "Masked importance sampling: drop tokens whose ratio is below this (0 = off).",
+                        ge=0, lt=1)
+    mis_high: float = _f(0.0, "Masked importance sampling: drop tokens whose ratio is above this (0 = off; "
+                         "else above 1).", ge=0)
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompts."""
+
+    enabled: bool = _f(False, "Turn dynamic sampling on.")
+    max_draws: int = _f(10, "Most prompt batches drawn for one step; then train on the groups kept so far.",
+                        ge=1)
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO overlong reward shaping: a penalty growing over the last tokens before the length limit."""
+
+    buffer_len: int = _f(0, "Tokens before `rollout.max_response_len` over which the penalty ramps "
+                         "(0 = off).", ge=0)
+    penalty_factor: float = _f(1.0, "Penalty at the length limit.", ge=0)
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages and the policy loss."""
+
+    adv_estimator: str = _f("grpo", "Advantage estimator.", ("grpo", "drgrpo", "rloo"))
+    norm_adv_by_std: bool = _f(True, "Divide group-centred rewards by the group's standard deviation.")
+    policy_loss: str = _f("vanilla", "Token-level clipped PPO (vanilla) or sequence-level ratio (gspo).",
+                          ("vanilla", "gspo"))
+    clip_ratio_low: float = _f(0.2, "Lower clip: ratio >= 1 - clip_ratio_low.", ge=0, le=1)
+    clip_ratio_high: float = _f(0.28, "Upper clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher).", ge=0)
+    clip_ratio_c: float = _f(3.0, "Dual-clip bound for negative advantages.", gt=1)
+    loss_agg_mode: str = _f("token-mean", "How token losses are averaged.",
+                            ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    entropy_coeff: float = _f(0.0, "Entropy bonus coefficient.", ge=0)
+    kl_coef: float = _f(0.0, "KL penalty to the base model (the adapter switched off); 0 = none.", ge=0)
+    rollout_correction: RolloutCorrectionConfig = _f(RolloutCorrectionConfig, "Mismatch correction.")
+    dynamic_sampling: DynamicSamplingConfig = _f(DynamicSamplingConfig, "DAPO dynamic sampling.")
+    overlong: OverlongConfig = _f(OverlongConfig, "DAPO overlong reward shaping.")
+
+
+@dataclass
+class ArithConfig:
+    """Defaults of `synthetic:arith` sources (rl/data/arith.py); options in a spec's query take precedence."""
+
+    train_rows: int = _f(4096, "Problems in the training set.", ge=1)
+    eval_rows: int = _f(64, "Problems in the eval set (split `test`, disjoint from training).", ge=1)
+    num_terms: int = _f(2, "Operands per expression.", ge=2)
+    max_operand: int = _f(9, "Operands are drawn from [0, max_operand].", ge=1)
+    ops: str = _f("+-", "Operators to use: a non-empty string over '+', '-', '*'.")
+
+
+@dataclass
+class DataConfig:
+    """Training prompts. A prompt source is a spec `SOURCE[?key=value&...]` (rl/data/sources.py): a Hugging
+    Face dataset id (`owner/name`), a local .parquet/.jsonl file or directory, or `synthetic:arith`, with
+    options such as `split`, `limit` and `dedup` in the query (e.g. `org/name?split=test&limit=100`)."""
+
+    train: str = _f(MISSING, "Training prompt source (e.g. `BytedTsinghua-SIA/DAPO-Math-17k`).")
+    val: str = _f("", "Held-out prompts scored at each eval beside `eval.data` ('' = none).")
+    train_batch_size: int = _f(32, "Prompts per step.", ge=1)
+    shuffle: bool = _f(True, "Shuffle the training prompts each epoch.")
+    seed: int = _f("${run.seed}", "Shuffling seed.")
+    prompt_key: str = _f("prompt", "Column holding the chat messages.")
+    chat_template_kwargs: dict[str, Any] = _f({}, "Extra arguments to the tokenizer's chat template (e.g. "
+                                              "`{enable_thinking: false}` for Qwen3).")
+    arith: ArithConfig = _f(ArithConfig, "Knobs of `synthetic:arith`.")
+
+
+@dataclass
+class RewardConfig:
+    """Scoring of responses against the ground truth."""
+
+    backend: str = _f("math_dapo", "Verifier: DAPO's 'Answer:' line match, or math-verify.",
+                      ("math_dapo", "math_verify"))
+    timeout_s: float = _f(10.0, "Seconds allowed to score one response (then reward 0).", gt=0)
+    num_workers: int = _f(0, "Scoring processes (0 = in the driver).", ge=0)
+
+
+@dataclass
+class EvalConfig:
+    """Periodic evaluation on the rollout workers: mean@k, maj@k and best@k per data source."""
+
+    every: int = _f(10, "Evaluate every N steps (0 = never).", ge=0)
+    k: int = _f(8, "Samples per problem.", ge=1)
+    temperature: float = _f(1.0, "Sampling temperature.", ge=0)
+    top_p: float = _f(1.0, "Nucleus sampling threshold.", gt=0, le=1)
+    max_response_len: int = _f("${rollout.max_response_len}", "Most tokens generated for one response.", ge=1)
+    data: str = _f("BytedTsinghua-SIA/AIME-2024", "Eval prompt source ('' = none).")
+    at_start: bool = _f(True, "Also evaluate before the first step.")
+
+
+@dataclass
+class SyncConfig:
+    """How the updated policy reaches the rollout workers after each step."""
+
+    mode: str = _f("adapter", "Ship the LoRA adapter (adapter), or merge it into the base weights and push "
+                   "them (merged: for backends with no MoE-LoRA kernel, such as vLLM on CPU).",
+                   ("adapter", "merged"))
+
+
+@dataclass
+class R3Config:
+    """Rollout routing replay: the trainer routes each token to the experts the rollout engine chose."""
+
+    enabled: bool = _f(True, "Capture routing in rollout and replay it in the trainer.")
+
+
+@dataclass
+class MonitorConfig:
+    """Health checks on `rollout_corr/k3_kl` (trainer vs rollout log-probs before any update)."""
+
+    k3_kl_max: float = _f(0.01, "Largest allowed k3 KL of a step (0 = no check).", ge=0)
+    k3_kl_trend_max: float = _f(5.0, "Largest allowed ratio of the mean k3 KL over the last "
+                                "`monitor.trend_window` steps to that over the first ones (0 = no check).",
+                                ge=0)
+    trend_window: int = _f(10, "Steps averaged at each end for the trend check.", ge=1)
+    stop_on_violation: bool = _f(False, "Stop the run on a violation (otherwise warn and record it).")
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides `metrics.jsonl` in the run directory."""
+
+    console_every: int = _f(1, "Print a metrics line every N steps.", ge=1)
+    tensorboard: bool = _f(True, "Write TensorBoard events under the run directory.")
+    wandb_project: str = _f("", "Weights & Biases project ('' = off).")
+    wandb_entity: str = _f("", "Weights & Biases entity ('' = your default).")
+
+
+@dataclass
+class ResourcesConfig:
+    """The machines the run uses."""
+
+    num_gpus: int = _f(0, "GPUs the run uses in all (0 = CPU only).", ge=0)
+    gpus_per_node: int = _f(8, "GPUs per node.", ge=1)
+    nodes: int = _f(1, "Nodes.", ge=1)
+    ray_address: str = _f("", "Ray cluster to join ('' = start a local one, 'auto' = the running one).")
+
+
+@dataclass
+class SparkConfig:
+    """A whole run."""
+
+    run: RunConfig = _f(RunConfig, "Naming and seeding.")
+    model: ModelConfig = _f(ModelConfig, "Base weights.")
+    rollout: RolloutConfig = _f(RolloutConfig, "Rollout workers.")
+    trainer: TrainerConfig = _f(TrainerConfig, "Trainer workers and optimizer.")
+    lora: LoraConfig = _f(LoraConfig, "The adapter.")
+    algorithm: AlgorithmConfig = _f(AlgorithmConfig, "Advantages and loss.")
+    data: DataConfig = _f(DataConfig, "Training prompts.")
+    reward: RewardConfig = _f(RewardConfig, "Reward scoring.")
+    eval: EvalConfig = _f(EvalConfig, "Evaluation.")
+    sync: SyncConfig = _f(SyncConfig, "Policy sync.")
+    r3: R3Config = _f(R3Config, "Routing replay.")
+    monitor: MonitorConfig = _f(MonitorConfig, "Health checks.")
+    logging: LoggingConfig = _f(LoggingConfig, "Logging.")
+    resources: ResourcesConfig = _f(ResourcesConfig, "Resources.")
+
+
+def run_dir(cfg: SparkConfig) -> Path:
+    """`run.dir`, or `runs/<run.name>` when it is empty."""
+    return Path(cfg.run.dir) if cfg.run.dir else Path("runs") / cfg.run.name
+
+
+# ----------------------------------------------------------------------------------------------------
+# Walking the schema (shared with rl.config_docs)
+# ----------------------------------------------------------------------------------------------------
+
+
+def is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def schema_fields(cls: type = SparkConfig, prefix: str = ""):
+    """Yield (full key path, dataclasses.Field, type) for every field, each section before its contents."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        yield path, f, hints[f.name]
+        if is_section(hints[f.name]):
+            yield from schema_fields(hints[f.name], path + ".")
+
+
+_FIELDS = {path: (f, tp) for path, f, tp in schema_fields()}
+
+
+def describe_type(tp: Any) -> str:
+    """'an integer', 'a list of strings', ...: what an error message says was expected."""
+    if typing.get_origin(tp) is list:
+        item = typing.get_args(tp)[0]
+        names = {int: "a list of integers", float: "a list of numbers", str: "a list of strings"}
+        return names.get(item, "a list")
+    if typing.get_origin(tp) is dict or tp is dict:
+        return "a mapping"
+    if is_section(tp):
+        return f"a mapping (the section {tp.__name__})"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def describe_bounds(bounds: dict) -> str:
+    """'at least 1', 'in (0, 1]', ... from a field's bounds; '' when it has none."""
+    ge, gt, le, lt = bounds["ge"], bounds["gt"], bounds["le"], bounds["lt"]
+    lo = ("[", ge) if ge is not None else ("(", gt) if gt is not None else None
+    hi = ("]", le) if le is not None else (")", lt) if lt is not None else None
+    if lo and hi:
+        return f"in {lo[0]}{lo[1]:g}, {hi[1]:g}{hi[0]}"
+    if lo:
+        return f"at least {lo[1]:g}" if lo[0] == "[" else f"greater than {lo[1]:g}"
+    if hi:
+        return f"at most {hi[1]:g}" if hi[0] == "]" else f"less than {hi[1]:g}"
+    return ""
+
+
+def _in_bounds(value: float, b: dict) -> bool:
+    return ((b["ge"] is None or value >= b["ge"]) and (b["gt"] is None or value > b["gt"])
+            and (b["le"] is None or value <= b["le"]) and (b["lt"] is None or value < b["lt"]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A bad recipe or override. `problems` holds one line per mistake, each starting with where it was."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            super().__init__(self.problems[0])
+        else:
+            lines = "\n".join(f"  {p}" for p in self.problems)
+            super().__init__(f"{len(self.problems)} config problems:\n{lines}")
+
+    def __reduce__(self):  # survive pickling (Ray) with the problems intact
+        return type(self), (self.problems,)
+
+
+def nearest_key(path: str) -> str | None:
+    """The valid key path closest to a wrong one: the same name deeper in the same section, a close
+    sibling, the same name in another section, then the closest full path."""
+    parent, _, leaf = path.rpartition(".")
+    same_leaf = [p for p in _FIELDS if p.rpartition(".")[2] == leaf]
+    inside = [p for p in same_leaf if parent and p.startswith(parent + ".")]
+    if inside:
+        return inside[0]
+    siblings = [p.rpartition(".")[2] for p in _FIELDS if p.rpartition(".")[0] == parent]
+    match = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+    if match:
+        return f"{parent}.{match[0]}" if parent else match[0]
+    if same_leaf:
+        return same_leaf[0]
+    match = difflib.get_close_matches(path, list(_FIELDS), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else f"{value!r} ({type(value).__name__})"
+
+
+def _check_keys(tree: Any, prefix: str, cls: type, where: str, problems: list[str]) -> Any:
+    """Report unknown keys and sections given a non-mapping, recursively, before OmegaConf sees the tree.
+    Returns the tree without empty sections (`lora:` with every line commented out)."""
+    if not isinstance(tree, dict):
+        key = prefix.rstrip(".") or "<top level>"
+        problems.append(f"{where}: {key}: expected {describe_type(cls)}, got {_show(tree)}")
+        return tree
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if path not in _FIELDS:
+            near = nearest_key(path)
+            problems.append(f"{where}: unknown key '{path}'" + (f" (did you mean '{near}'?)" if near else ""))
+            continue
+        tp = _FIELDS[path][1]
+        if is_section(tp):
+            if value is not None:
+                out[key] = _check_keys(value, path + ".", tp, where, problems)
+            continue
+        if isinstance(value, dict) and typing.get_origin(tp) is not dict:
+            problems.append(f"{where}: {path}: expected {describe_type(tp)}, got a mapping")
+        out[key] = value
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading YAML and overrides
+# ----------------------------------------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys and leaves dates as strings."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict:
+    first_line = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in first_line:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key '{key}' (first at line {first_line[key]})", key_node.start_mark)
+        first_line[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 (_Loader is a SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise ConfigError([f"{where}{pos}: YAML syntax error: {e.problem or e.context}"]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{where}: YAML error: {e}"]) from None
+
+
+_KEY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'trainer.lr=3e-4' -> ('trainer.lr', '3e-4'); the value is read as YAML ('' stays an empty string)."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not _KEY_RE.match(key):
+        raise ConfigError([f"override {text!r}: expected key=value with a dotted key, e.g. trainer.lr=1e-5"])
+    return key, ("" if value.strip() == "" else _read_yaml(value, f"override {text!r}"))
+
+
+def _nest(key: str, value: Any) -> dict:
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{'trainer': {'lr': 1}} -> {'trainer.lr': 1}, stopping at the schema's leaves (a dict-typed field)."""
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and (path not in _FIELDS or is_section(_FIELDS[path][1])):
+            out.update(_flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def find_recipe(recipe: str | Path) -> Path:
+    """A recipe file, a run directory (its config.yaml), or the name of a shipped recipe ('demo_cpu')."""
+    path = Path(recipe)
+    if path.is_dir():
+        path = path / "config.yaml"
+    if path.is_file():
+        return path
+    if path.parent == Path(".") and path.suffix in ("", ".yaml"):
+        from rl.paths import shipped_dir
+
+        try:
+            shipped = shipped_dir("recipes") / f"{path.stem}.yaml"
+        except FileNotFoundError:
+            shipped = None
+        if shipped is not None and shipped.is_file():
+            return shipped
+    raise ConfigError([f"{recipe}: no such recipe file (nor a run directory with config.yaml, "
+                       "nor a shipped recipe)"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading and saving
+# ----------------------------------------------------------------------------------------------------
+
+
+def load_config(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> SparkConfig:
+    """The recipe over the schema's defaults, then each `key=value` override in order; resolved, validated."""
+    path = find_recipe(recipe)
+    where = str(path)
+    tree = _read_yaml(path.read_text(), where)
+    sources = [(where, {} if tree is None else tree)]
+    sources += [(f"override {o!r}", _nest(*parse_override(o))) for o in overrides]
+
+    problems: list[str] = []
+    sources = [(src, _check_keys(t, "", SparkConfig, src, problems)) for src, t in sources]
+    if problems:
+        raise ConfigError(problems)
+
+    origin = {}  # key path -> where its value was last set
+    cfg = OmegaConf.structured(SparkConfig)
+    for src, t in sources:
+        try:
+            cfg = OmegaConf.merge(cfg, t)
+        except OmegaConfBaseException as e:
+            raise ConfigError([f"{src}: {_type_problem(e, _flatten(t))}"]) from None
+        origin.update(dict.fromkeys(_flatten(t), src))
+
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:
+        raise ConfigError([f"{where}: {e.full_key}: required value is missing (set it in the recipe or with "
+                           f"{e.full_key}=...)"]) from None
+    except OmegaConfBaseException as e:  # a bad ${...} interpolation
+        first_line = str(e.msg).splitlines()[0]
+        raise ConfigError([f"{origin.get(e.full_key, where)}: {e.full_key}: {first_line}"]) from None
+
+    problems = [f"{origin.get(key, where)}: {key}: {msg}" for key, msg in validate(obj)]
+    if problems:
+        raise ConfigError(problems)
+    return obj
+
+
+def _type_problem(e: OmegaConfBaseException, given: dict[str, Any]) -> str:
+    """OmegaConf's complaint about a value, restated with the schema's type: 'x.y: expected a number'."""
+    key = e.full_key or ""
+    base = re.sub(r"\[\d+\]$", "", key)  # an item of a list field
+    if base not in _FIELDS:
+        return f"{key or '<top level>'}: {str(e.msg).splitlines()[0]}"
+    value = getattr(e, "value", None) if base != key else given.get(base, getattr(e, "value", None))
+    return f"{key}: expected {describe_type(_FIELDS[base][1])}, got {_show(value)}"
+
+
+def save_config(cfg: SparkConfig, path: str | Path) -> Path:
+    """Write the fully resolved config as YAML, atomically (a temporary file renamed over `path`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "# Resolved sparkrl config: load_config() of this file gives the same config back.\n"
+    text += OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation beyond types
+# ----------------------------------------------------------------------------------------------------
+
+
+def _field_problems(obj: Any, prefix: str = ""):
+    """Choices and bounds declared on the fields, recursively."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _field_problems(value, key + ".")
+        elif f.metadata.get("choices") and value not in f.metadata["choices"]:
+            names = ", ".join(repr(c) for c in f.metadata["choices"])
+            near = difflib.get_close_matches(str(value), [c for c in f.metadata["choices"] if c], n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            yield key, f"expected one of {names}, got {value!r}{hint}"
+        elif isinstance(value, int | float) and not _in_bounds(value, f.metadata["bounds"]):
+            yield key, f"must be {describe_bounds(f.metadata['bounds'])}, got {value}"
+
+
+def validate(cfg: SparkConfig) -> list[tuple[str, str]]:
+    """What types cannot express: choices, bounds and agreement between keys.
+    Returns (key path, problem) pairs; empty when the config is fine."""
+    out = list(_field_problems(cfg))
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            out.append((key, msg))
+
+    ro, tr, lo, al = cfg.rollout, cfg.trainer, cfg.lora, cfg.algorithm
+    da, ev, res = cfg.data, cfg.eval, cfg.resources
+    rc = al.rollout_correction
+    need(bool(cfg.run.name.strip()), "run.name", "must not be empty")
+    need(bool(cfg.model.path) or bool(cfg.model.make_tiny.arch), "model.path", "required value is missing "
+         "(a Hugging Face id or checkpoint directory), unless model.make_tiny.arch is set")
+    need(ro.n != 1, "rollout.n", f"{al.adv_estimator} compares samples within a group: need at least 2, "
+         "got 1")
+    need(len(tr.betas) == 2 and all(0 <= b < 1 for b in tr.betas), "trainer.betas",
+         f"must be two numbers in [0, 1), got {tr.betas}")
+    need(tr.warmup_steps == 0 or tr.warmup_steps < tr.total_steps, "trainer.warmup_steps",
+         f"must be less than trainer.total_steps ({tr.total_steps}), got {tr.warmup_steps}")
+    need(tr.mini_batch_size == 0 or da.train_batch_size % tr.mini_batch_size == 0, "trainer.mini_batch_size",
+         f"must divide data.train_batch_size ({da.train_batch_size}), got {tr.mini_batch_size}")
+    need(tr.micro_batch_tokens > 0 or tr.micro_batch_size > 0, "trainer.micro_batch_tokens",
+         "trainer.micro_batch_tokens or trainer.micro_batch_size must be positive")
+    longest = ro.max_prompt_len + ro.max_response_len
+    need(tr.micro_batch_tokens == 0 or tr.micro_batch_tokens >= longest, "trainer.micro_batch_tokens",
+         f"must hold one whole sequence (rollout.max_prompt_len + rollout.max_response_len = {longest}), "
+         f"got {tr.micro_batch_tokens}")
+    context = ro.max_prompt_len + max(ro.max_response_len, ev.max_response_len)
+    need(ro.max_model_len == 0 or ro.max_model_len >= context, "rollout.max_model_len",
+         f"must be 0 or at least rollout.max_prompt_len + the longer of rollout.max_response_len and "
+         f"eval.max_response_len = {context}, got {ro.max_model_len}")
+    need(al.overlong.buffer_len == 0 or al.overlong.buffer_len < ro.max_response_len,
+         "algorithm.overlong.buffer_len",
+         f"must be less than rollout.max_response_len ({ro.max_response_len}), got {al.overlong.buffer_len}")
+    need(rc.tis_cap == 0 or rc.tis_cap >= 1, "algorithm.rollout_correction.tis_cap",
+         f"must be 0 (off) or at least 1, got {rc.tis_cap}")
+    need(rc.mis_high == 0 or rc.mis_high > max(rc.mis_low, 1.0), "algorithm.rollout_correction.mis_high",
+         f"must be 0 (off) or above 1, got {rc.mis_high}")
+    has_target = bool(lo.target_modules) or lo.target_experts or lo.target_latent or bool(lo.extra)
+    need(has_target, "lora.target_modules",
+         "the adapter has no targets: set lora.target_modules, target_experts, target_latent or extra")
+    need(not lo.target_experts or bool(lo.expert_modules), "lora.expert_modules",
+         "must not be empty when lora.target_experts is true")
+    if lo.extra:
+        try:
+            re.compile(lo.extra)
+        except re.error as e:
+            out.append(("lora.extra", f"not a valid regular expression: {e}"))
+    need(bool(da.arith.ops) and not set(da.arith.ops) - set("+-*"), "data.arith.ops",
+         f"must be a non-empty string over '+', '-', '*', got {da.arith.ops!r}")
+    need(res.num_gpus <= res.nodes * res.gpus_per_node, "resources.num_gpus",
+         f"must be at most resources.nodes x resources.gpus_per_node = {res.nodes * res.gpus_per_node}, "
+         f"got {res.num_gpus}")
+    if res.num_gpus > 0:
+        rollout_gpus = ro.num_workers * ro.tensor_parallel_size
+        need(tr.num_ranks <= res.num_gpus, "trainer.num_ranks",
+             f"must be at most resources.num_gpus ({res.num_gpus}), got {tr.num_ranks}")
+        need(rollout_gpus <= res.num_gpus, "rollout.num_workers",
+             f"rollout.num_workers x rollout.tensor_parallel_size = {rollout_gpus} GPUs, more than "
+             f"resources.num_gpus ({res.num_gpus})")
+        need(ro.placement != "split" or rollout_gpus + tr.num_ranks <= res.num_gpus, "rollout.placement",
+             f"split placement needs {rollout_gpus} rollout + {tr.num_ranks} trainer GPUs, more than "
+             f"resources.num_gpus ({res.num_gpus})")
+    return out

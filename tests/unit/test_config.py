@@ -1,0 +1,393 @@
+"""The typed config: errors that name the file, key path and fix; round trips; recipes; generated docs."""
+
+import dataclasses
+import itertools
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rl import config_docs
+from rl.config import (
+    ConfigError,
+    SparkConfig,
+    load_config,
+    nearest_key,
+    parse_override,
+    run_dir,
+    save_config,
+    schema_fields,
+    validate,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+MINIMAL = """\
+run: {name: t}
+model: {path: some/model}
+data: {train: "synthetic:arith"}
+"""
+
+
+def recipe(tmp_path: Path, text: str = MINIMAL, name: str = "r.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error(recipe_path, overrides=()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(recipe_path, list(overrides))
+    return str(info.value)
+
+
+# ---- loading and overrides ------------------------------------------------------------------------
+
+
+def test_minimal_recipe_gets_schema_defaults(tmp_path):
+    cfg = load_config(recipe(tmp_path))
+    assert isinstance(cfg, SparkConfig)
+    assert cfg.run.name == "t" and cfg.model.path == "some/model" and cfg.data.train == "synthetic:arith"
+    assert (cfg.rollout.n, cfg.lora.rank, cfg.lora.alpha, cfg.sync.mode) == (8, 32, 64.0, "adapter")
+    assert cfg.algorithm.clip_ratio_high == 0.28 and cfg.trainer.max_skipped_steps == 3
+    assert cfg.trainer.betas == [0.9, 0.999]
+
+
+def test_overrides_are_typed_and_applied_in_order(tmp_path):
+    cfg = load_config(recipe(tmp_path), [
+        "trainer.lr=3e-4", "rollout.n=4", "rollout.n=16", "r3.enabled=false",
+        "lora.target_modules=[q_proj,v_proj]", "run.dir=", "trainer.betas=[0.8,0.9]",
+    ])
+    assert cfg.trainer.lr == pytest.approx(3e-4) and isinstance(cfg.trainer.lr, float)
+    assert cfg.rollout.n == 16
+    assert cfg.r3.enabled is False
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.run.dir == ""
+    assert cfg.trainer.betas == [0.8, 0.9]
+
+
+def test_seeds_and_eval_length_follow_their_interpolated_defaults(tmp_path):
+    cfg = load_config(recipe(tmp_path), ["run.seed=7", "rollout.max_response_len=100"])
+    assert (cfg.rollout.seed, cfg.data.seed) == (7, 7)
+    assert cfg.eval.max_response_len == 100
+    cfg = load_config(recipe(tmp_path), ["run.seed=7", "data.seed=3"])
+    assert (cfg.rollout.seed, cfg.data.seed) == (7, 3)
+
+
+def test_dict_field_takes_nested_keys(tmp_path):
+    cfg = load_config(recipe(tmp_path), ["data.chat_template_kwargs.enable_thinking=false"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_empty_section_is_ignored_and_dates_stay_strings(tmp_path):
+    cfg = load_config(recipe(tmp_path, MINIMAL + "lora:\n"), ["run.name=2024-01-01"])
+    assert cfg.lora.rank == 32
+    assert cfg.run.name == "2024-01-01"
+
+
+def test_run_dir_defaults_to_runs_name(tmp_path):
+    assert run_dir(load_config(recipe(tmp_path))) == Path("runs/t")
+    assert run_dir(load_config(recipe(tmp_path), ["run.dir=/scratch/x"])) == Path("/scratch/x")
+
+
+def test_load_accepts_a_run_directory_and_a_shipped_recipe_name(tmp_path):
+    cfg = load_config(recipe(tmp_path))
+    save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert load_config(tmp_path / "run") == cfg
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert load_config("demo_cpu").run.name == "demo_cpu"
+    finally:
+        os.chdir(cwd)
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+def test_config_error_is_a_value_error_that_pickles():
+    assert issubclass(ConfigError, ValueError)
+    err = pickle.loads(pickle.dumps(ConfigError(["a: x", "b: y"])))
+    assert err.problems == ["a: x", "b: y"]
+    assert str(err) == "2 config problems:\n  a: x\n  b: y"
+
+
+def test_misspelt_key_names_file_path_and_nearest_key(tmp_path):
+    path = recipe(tmp_path, MINIMAL + "trainer:\n  totl_steps: 5\n")
+    msg = error(path)
+    assert msg == f"{path}: unknown key 'trainer.totl_steps' (did you mean 'trainer.total_steps'?)"
+
+
+def test_misspelt_section_and_nested_key(tmp_path):
+    text = MINIMAL + "trainr: {lr: 1}\nalgorithm:\n  rollout_correction: {tis_capp: 2}\n"
+    msg = error(recipe(tmp_path, text))
+    assert "2 config problems" in msg
+    assert "unknown key 'trainr' (did you mean 'trainer'?)" in msg
+    assert ("unknown key 'algorithm.rollout_correction.tis_capp' "
+            "(did you mean 'algorithm.rollout_correction.tis_cap'?)") in msg
+
+
+def test_key_in_the_wrong_section_points_to_the_right_one():
+    assert nearest_key("trainer.temperature") == "rollout.temperature"
+    assert nearest_key("rollout.target_experts") == "lora.target_experts"
+    assert nearest_key("algorithm.tis_cap") == "algorithm.rollout_correction.tis_cap"
+    assert nearest_key("model.arch") == "model.make_tiny.arch"
+    assert nearest_key("eval.every_n") == "eval.every"
+    assert nearest_key("zzzzzz") is None
+
+
+def test_misspelt_override_names_the_override(tmp_path):
+    msg = error(recipe(tmp_path), ["rollout.nn=4"])
+    assert msg == "override 'rollout.nn=4': unknown key 'rollout.nn' (did you mean 'rollout.n'?)"
+
+
+def test_wrong_type_in_recipe(tmp_path):
+    path = recipe(tmp_path, MINIMAL + "trainer:\n  lr: fast\n")
+    assert error(path) == f"{path}: trainer.lr: expected a number, got 'fast' (str)"
+
+
+def test_wrong_type_in_override(tmp_path):
+    assert error(recipe(tmp_path), ["rollout.n=8.5"]) == (
+        "override 'rollout.n=8.5': rollout.n: expected an integer, got 8.5 (float)")
+    assert error(recipe(tmp_path), ["r3.enabled=maybe"]) == (
+        "override 'r3.enabled=maybe': r3.enabled: expected true or false, got 'maybe' (str)")
+
+
+def test_wrong_type_list_and_section(tmp_path):
+    assert "lora.target_modules: expected a list of strings, got 'q_proj' (str)" in error(
+        recipe(tmp_path), ["lora.target_modules=q_proj"])
+    assert "trainer.betas[1]: expected a list of numbers, got 'x' (str)" in error(
+        recipe(tmp_path), ["trainer.betas=[0.9,x]"])
+    assert "trainer: expected a mapping (the section TrainerConfig), got 5 (int)" in error(
+        recipe(tmp_path), ["trainer=5"])
+    assert "trainer.lr: expected a number, got a mapping" in error(recipe(tmp_path), ["trainer.lr={a: 1}"])
+    assert "run.name: expected a string, got null" in error(recipe(tmp_path), ["run.name=null"])
+
+
+def test_missing_required_values(tmp_path):
+    path = recipe(tmp_path, "model: {path: m}\ndata: {train: x}\n")
+    assert error(path) == (f"{path}: run.name: required value is missing (set it in the recipe or with "
+                           "run.name=...)")
+    path = recipe(tmp_path, "run: {name: a}\nmodel: {path: m}\n")
+    assert "data.train: required value is missing" in error(path)
+    path = recipe(tmp_path, "run: {name: a}\ndata: {train: x}\n")
+    assert error(path) == (f"{path}: model.path: required value is missing (a Hugging Face id or checkpoint "
+                           "directory), unless model.make_tiny.arch is set")
+    # make_tiny stands in for model.path
+    assert load_config(path, ["model.make_tiny.arch=qwen3_moe"]).model.path == ""
+
+
+def test_bad_override_format(tmp_path):
+    assert error(recipe(tmp_path), ["trainer.lr"]) == (
+        "override 'trainer.lr': expected key=value with a dotted key, e.g. trainer.lr=1e-5")
+    assert "expected key=value" in error(recipe(tmp_path), ["trainer..lr=1"])
+    assert "expected key=value" in error(recipe(tmp_path), ["=1"])
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = recipe(tmp_path, "run:\n  name: a\n   seed: 1\n")
+    assert error(path) == f"{path}:3:8: YAML syntax error: mapping values are not allowed here"
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path):
+    path = recipe(tmp_path, MINIMAL + "run: {seed: 1}\n")
+    assert error(path) == f"{path}:4:1: YAML syntax error: duplicate key 'run' (first at line 1)"
+
+
+def test_recipe_that_is_not_a_mapping(tmp_path):
+    path = recipe(tmp_path, "- a\n- b\n")
+    assert error(path) == (f"{path}: <top level>: expected a mapping (the section SparkConfig), "
+                           "got ['a', 'b'] (list)")
+
+
+def test_missing_recipe_file(tmp_path):
+    assert "no such recipe file" in error(tmp_path / "nope.yaml")
+
+
+def test_choice_error_suggests_the_nearest_choice(tmp_path):
+    assert error(recipe(tmp_path), ["sync.mode=mergd"]) == (
+        "override 'sync.mode=mergd': sync.mode: expected one of 'adapter', 'merged', got 'mergd' "
+        "(did you mean 'merged'?)")
+
+
+def test_range_and_cross_section_errors_name_the_key_and_its_origin(tmp_path):
+    path = recipe(tmp_path, MINIMAL + "trainer: {mini_batch_size: 5}\n")
+    msg = error(path, ["rollout.n=1", "lora.dropout=1.5"])
+    assert "3 config problems" in msg
+    assert f"{path}: trainer.mini_batch_size: must divide data.train_batch_size (32), got 5" in msg
+    assert ("override 'rollout.n=1': rollout.n: grpo compares samples within a group: need at least 2, "
+            "got 1") in msg
+    assert "override 'lora.dropout=1.5': lora.dropout: must be in [0, 1), got 1.5" in msg
+
+
+def test_bounds_declared_on_fields(tmp_path):
+    assert "rollout.top_p: must be in (0, 1], got 1.5" in error(recipe(tmp_path), ["rollout.top_p=1.5"])
+    assert "trainer.lr: must be greater than 0, got 0.0" in error(recipe(tmp_path), ["trainer.lr=0"])
+    assert "eval.k: must be at least 1, got 0" in error(recipe(tmp_path), ["eval.k=0"])
+    assert "data.arith.num_terms: must be at least 2, got 1" in error(
+        recipe(tmp_path), ["data.arith.num_terms=1"])
+    assert "trainer.betas: must be two numbers in [0, 1), got [0.9]" in error(
+        recipe(tmp_path), ["trainer.betas=[0.9]"])
+
+
+def test_interpolation_error_names_the_key(tmp_path):
+    assert error(recipe(tmp_path), ["rollout.seed=${run.nope}"]) == (
+        "override 'rollout.seed=${run.nope}': rollout.seed: Interpolation key 'run.nope' not found")
+
+
+def test_resources_must_hold_the_workers(tmp_path):
+    msg = error(recipe(tmp_path), ["resources.num_gpus=8", "trainer.num_ranks=8", "rollout.num_workers=2",
+                                   "rollout.tensor_parallel_size=4", "rollout.placement=split"])
+    assert msg == ("override 'rollout.placement=split': rollout.placement: split placement needs 8 rollout "
+                   "+ 8 trainer GPUs, more than resources.num_gpus (8)")
+
+
+def test_validate_is_clean_on_defaults_with_required_values():
+    cfg = SparkConfig()
+    cfg.run.name, cfg.model.path, cfg.data.train = "x", "m", "d"
+    cfg.rollout.seed = cfg.data.seed = 0
+    cfg.eval.max_response_len = cfg.rollout.max_response_len
+    assert validate(cfg) == []
+
+
+def test_parse_override_reads_values_as_yaml():
+    assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
+    assert parse_override("a.b=") == ("a.b", "")
+    assert parse_override("a.b=x=y") == ("a.b", "x=y")
+    spec = "org/name?split=test&limit=5"
+    assert parse_override(f"data.train={spec}") == ("data.train", spec)
+
+
+# ---- save / resume --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_save_then_load_gives_the_same_config(tmp_path, path):
+    cfg = load_config(path, ["run.seed=11"])
+    out = save_config(cfg, tmp_path / "deep" / "config.yaml")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["config.yaml"]  # no temporary file left
+    text = out.read_text()
+    assert "${" not in text  # fully resolved
+    assert yaml.safe_load(text)["rollout"]["seed"] == 11
+    assert load_config(out) == cfg
+
+
+def test_save_replaces_an_existing_file(tmp_path):
+    out = tmp_path / "config.yaml"
+    out.write_text("old")
+    save_config(load_config(recipe(tmp_path)), out)
+    assert load_config(out).run.name == "t"
+
+
+# ---- recipes --------------------------------------------------------------------------------------
+
+
+def test_there_are_the_three_recipes():
+    assert {p.name for p in RECIPES} >= {"demo_cpu.yaml", "muse_spark_open_dapo_lora.yaml",
+                                         "qwen3_30b_a3b_dapo_lora.yaml"}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_loads(path):
+    cfg = load_config(path)
+    assert cfg.run.name == path.stem
+
+
+def test_reference_recipe_matches_the_issue():
+    cfg = load_config(REPO / "recipes" / "muse_spark_open_dapo_lora.yaml")
+    assert cfg.model.rollout_path and "nvfp4" in cfg.model.rollout_path.lower()
+    assert cfg.model.dtype == "bfloat16"
+    assert (cfg.lora.rank, cfg.lora.alpha) == (32, 64)
+    assert cfg.lora.target_experts and cfg.lora.target_latent
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(cfg.lora.target_modules)
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.data.train == "BytedTsinghua-SIA/DAPO-Math-17k"
+    assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.rollout.max_response_len) == (32, 8, 4096)
+    assert cfg.trainer.total_steps == 150
+    assert (cfg.eval.data, cfg.eval.k) == ("BytedTsinghua-SIA/AIME-2024", 8)
+    assert cfg.r3.enabled
+    assert cfg.resources.num_gpus == 16 and cfg.trainer.num_ranks == 16
+
+
+def test_qwen3_recipe_runs_on_8_gpus():
+    cfg = load_config(REPO / "recipes" / "qwen3_30b_a3b_dapo_lora.yaml")
+    assert cfg.model.path == "Qwen/Qwen3-30B-A3B"
+    assert cfg.resources.num_gpus == 8 and cfg.resources.nodes == 1
+    assert cfg.lora.target_experts and "q_proj" in cfg.lora.target_modules
+
+
+def test_demo_recipe_is_the_cpu_demo():
+    cfg = load_config(REPO / "recipes" / "demo_cpu.yaml")
+    assert (cfg.model.make_tiny.arch, cfg.model.make_tiny.sft) == ("qwen3_moe", "arith")
+    assert cfg.model.dtype == "float32" and cfg.resources.num_gpus == 0
+    assert cfg.data.train == "synthetic:arith" and cfg.eval.data == "synthetic:arith"
+    assert (cfg.trainer.num_ranks, cfg.rollout.num_workers) == (2, 1)
+    assert (cfg.sync.mode, cfg.r3.enabled) == ("merged", True)
+    assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.rollout.max_response_len) == (16, 8, 32)
+    assert (cfg.trainer.total_steps, cfg.eval.every, cfg.eval.k) == (30, 5, 8)
+    assert cfg.rollout.cpu_kvcache_gb == 1
+
+
+def _expand_sweep(path: Path) -> list[tuple[Path, list[str]]]:
+    """The format documented atop recipes/sweeps/*.yaml, expanded just enough to check the example."""
+    spec = yaml.safe_load(path.read_text())
+    assert set(spec) <= {"base", "name", "overrides", "grid", "list"}
+    base = (path.parent / spec["base"]).resolve()
+    common = [f"{k}={v}" for k, v in (spec.get("overrides") or {}).items()]
+    grid = spec.get("grid") or {}
+    points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    runs = []
+    for entry in spec.get("list") or [{}]:
+        for point in points:
+            sets = {**entry, **point}
+            assert "run.name" not in sets
+            name = f"run.name={spec['name']}-{len(runs)}"
+            runs.append((base, common + [f"{k}={v}" for k, v in sets.items()] + [name]))
+    return runs
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
+def test_sweep_example_expands_to_valid_configs(path):
+    runs = _expand_sweep(path)
+    assert len(runs) == 8
+    configs = [load_config(base, overrides) for base, overrides in runs]
+    assert len({c.run.name for c in configs}) == 8
+    assert {(c.trainer.lr, c.algorithm.clip_ratio_high, c.lora.rank) for c in configs} == {
+        (lr, clip, rank) for lr in (1e-4, 3e-4) for clip in (0.2, 0.28) for rank in (8, 16)}
+    assert all(c.trainer.total_steps == 20 for c in configs)
+
+
+# ---- generated docs -------------------------------------------------------------------------------
+
+
+def test_docs_are_up_to_date():
+    """docs/config.md is generated: run `python -m rl.config_docs` after changing rl/config.py."""
+    assert config_docs.DOCS_PATH.read_text() == config_docs.render()
+
+
+def test_docs_list_every_key_with_its_doc():
+    text = config_docs.render()
+    for path, f, _tp in schema_fields():
+        assert f"`{path}`" in text
+        assert f.metadata.get("doc"), f"{path} has no doc line"
+
+
+def test_docs_check_mode(tmp_path, capsys):
+    stale = tmp_path / "config.md"
+    stale.write_text("old")
+    assert config_docs.main(["--check", "--out", str(stale)]) == 1
+    assert config_docs.main(["--out", str(stale)]) == 0
+    assert config_docs.main(["--check", "--out", str(stale)]) == 0
+
+
+def test_every_field_default_is_a_plain_value():
+    """Mutable defaults come from factories, so two configs never share a list."""
+    a, b = SparkConfig(), SparkConfig()
+    a.lora.target_modules.append("x")
+    assert "x" not in b.lora.target_modules
+    assert dataclasses.is_dataclass(a.algorithm.rollout_correction)
+    assert sys.modules["rl.config"].SparkConfig is SparkConfig
