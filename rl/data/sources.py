@@ -1,0 +1,439 @@
+"""Load prompt sets into verl's schema: a hub id, a parquet/JSONL file, a directory, or the synthetic task.
+
+One entry, `load_prompts(spec, **options)`, returns a `datasets.Dataset` whose rows are
+
+    data_source: str, prompt: [{"role", "content"}, ...], ability: str,
+    reward_model: {"style", "ground_truth": str}, extra_info: {...}
+
+Spec format: `SOURCE[?key=value&key=value...]`; keyword arguments override the query.
+
+    BytedTsinghua-SIA/DAPO-Math-17k        hub id (owner/name; `hf:` forces the hub over a local path)
+    data/aime-2024.parquet                 a local .parquet, .jsonl or .json (JSON lines) file
+    data/aime/                             a directory: all its .parquet files (recursively), else .jsonl/.json
+    synthetic:arith?n=256&seed=0           the embedded arithmetic task (rl.data.arith), no network
+
+Options (all sources): `data_source` (override the column), `dedup` (true/false), `limit` (keep the
+first N rows after dedup). Files and hub: `problem_key`, `answer_key` (raw-schema column names).
+Hub only: `split` (default train), `config`. Synthetic: `n` (256), `seed` (0), `split` (train),
+`num_terms`, `max_operand`, `ops` (ArithSpec knobs).
+
+Schemas, detected from the columns: verl (`prompt` chat messages + `reward_model.ground_truth`;
+DAPO-Math-17k, BytedTsinghua-SIA/AIME-2024), HuggingFaceH4/aime_2024 (`problem`, `answer`, `id`, ...) and
+Maxwell-Jia/AIME_2024 (`Problem`, `Answer` as int64, `ID`, ...). Raw problems get the DAPO instruction
+(rl.data.prompts). Rows are deduplicated by prompt, keeping the first (DAPO-Math-17k's 1.79M rows hold
+17,398 prompts; BytedTsinghua's AIME-2024 repeats its 30 problems 32 times); synthetic rows are not,
+unless `dedup=true`, so that `n` is the number of rows. Raw rows without a `data_source` get the hub id,
+else the file's stem (the directory's name).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+from datasets.table import InMemoryTable
+
+from rl.data import arith
+from rl.data.prompts import dapo_prompt
+
+log = logging.getLogger(__name__)
+
+SYNTHETIC_PREFIX = "synthetic:"
+HUB_PREFIX = "hf:"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+# Raw (problem, answer) schemas, tried in order: HuggingFaceH4/aime_2024, then Maxwell-Jia/AIME_2024.
+_RAW_SCHEMAS = (("problem", "answer", "id"), ("Problem", "Answer", "ID"))
+
+_COMMON_OPTIONS = {"data_source": str, "dedup": bool, "limit": int}
+_FILE_OPTIONS = {**_COMMON_OPTIONS, "problem_key": str, "answer_key": str}
+_HUB_OPTIONS = {**_FILE_OPTIONS, "split": str, "config": str}
+_SYNTHETIC_OPTIONS = {
+    **_COMMON_OPTIONS,
+    "n": int,
+    "seed": int,
+    "split": str,
+    "num_terms": int,
+    "max_operand": int,
+    "ops": str,
+}
+SYNTHETIC_TASKS = ("arith",)
+
+
+@dataclass
+class PromptSource:
+    """A loaded prompt set and where it came from."""
+
+    dataset: datasets.Dataset
+    origin: str  # the file, directory or hub id (with split) the rows came from
+    schema: str  # "verl", "raw" or "synthetic"
+    num_raw_rows: int  # rows before dedup and limit
+    num_duplicates: int  # rows dropped by dedup
+
+
+def load_prompts(spec: str, **options: Any) -> datasets.Dataset:
+    """The prompt set `spec` names, in verl's schema (see the module docstring for the spec format)."""
+    return load_source(spec, **options).dataset
+
+
+def load_source(spec: str, **options: Any) -> PromptSource:
+    """Like `load_prompts`, plus the origin, the detected schema and the dedup count."""
+    location, query = parse_spec(spec)
+    if location.startswith(SYNTHETIC_PREFIX):
+        opts = _typed_options(spec, {**query, **options}, _SYNTHETIC_OPTIONS)
+        return _load_synthetic(location[len(SYNTHETIC_PREFIX) :], opts, spec)
+
+    force_hub = location.startswith(HUB_PREFIX)
+    if force_hub:
+        location = location[len(HUB_PREFIX) :]
+    path = Path(location).expanduser()
+    if not force_hub and path.exists():
+        opts = _typed_options(spec, {**query, **options}, _FILE_OPTIONS)
+        table, origin = _read_local(path)
+        default_source = path.name if path.is_dir() else path.stem
+    elif force_hub or _HUB_ID.match(location):
+        opts = _typed_options(spec, {**query, **options}, _HUB_OPTIONS)
+        table, origin = _read_hub(location, opts.get("split", "train"), opts.get("config"))
+        default_source = location
+    else:
+        raise FileNotFoundError(
+            f"prompt source {spec!r}: no such file or directory, and {location!r} is not a hub id (owner/name)"
+        )
+    return _to_verl(table, origin, default_source, opts)
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """Split `SOURCE?key=value&...` into the source and its options (strings; no URL decoding)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"prompt source spec must be a non-empty string, got {spec!r}")
+    location, _, query = spec.strip().partition("?")
+    options: dict[str, str] = {}
+    for item in filter(None, query.split("&")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"prompt source {spec!r}: option {item!r} is not of the form key=value")
+        if key in options:
+            raise ValueError(f"prompt source {spec!r}: option {key!r} is given twice")
+        options[key] = value
+    return location, options
+
+
+def _typed_options(spec: str, raw: dict[str, Any], allowed: dict[str, type]) -> dict[str, Any]:
+    out = {}
+    for key, value in raw.items():
+        if key not in allowed:
+            raise ValueError(
+                f"prompt source {spec!r}: unknown option {key!r}; this kind of source takes {sorted(allowed)}"
+            )
+        kind = allowed[key]
+        if isinstance(value, str) and kind is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"prompt source {spec!r}: option {key}={value!r} must be true or false")
+            value = value.lower() in ("true", "1")
+        elif isinstance(value, str) and kind is int:
+            try:
+                value = int(value)
+            except ValueError:
+                raise ValueError(
+                    f"prompt source {spec!r}: option {key}={value!r} must be an integer"
+                ) from None
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(
+                f"prompt source {spec!r}: option {key}={value!r} must be {kind.__name__}, got {type(value).__name__}"
+            )
+        out[key] = value
+    if "limit" in out and out["limit"] <= 0:
+        raise ValueError(f"prompt source {spec!r}: option limit must be positive, got {out['limit']}")
+    return out
+
+
+# Reading ---------------------------------------------------------------------------------------------
+
+
+def _read_file(path: Path) -> pa.Table:
+    try:
+        if path.suffix == ".parquet":
+            return pq.read_table(path)
+        if path.suffix in (".jsonl", ".json"):
+            return pa_json.read_json(path)
+    except pa.ArrowInvalid as e:
+        raise ValueError(
+            f"{path}: cannot read it as {path.suffix[1:]}: {e} (JSON files must hold one object per line, "
+            "each column one type; store answers as strings)"
+        ) from e
+    raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected one of {list(_FILE_SUFFIXES)}")
+
+
+def _read_local(path: Path) -> tuple[pa.Table, str]:
+    if path.is_file():
+        return _read_file(path), str(path)
+    # Hidden entries (.cache/ of a hub snapshot, editor files) are not data.
+    visible = [
+        f
+        for f in path.rglob("*")
+        if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
+    ]
+    files = sorted(f for f in visible if f.suffix == ".parquet")
+    if not files:
+        files = sorted(f for f in visible if f.suffix in (".jsonl", ".json"))
+    if not files:
+        raise FileNotFoundError(f"{path}: directory holds no {', '.join(_FILE_SUFFIXES)} files")
+    tables = [_read_file(f) for f in files]
+    for f, t in zip(files[1:], tables[1:]):
+        if set(t.column_names) != set(tables[0].column_names):
+            raise ValueError(
+                f"{path}: its files hold different columns: {files[0]} has {tables[0].column_names}, "
+                f"{f} has {t.column_names}"
+            )
+    try:
+        table = pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise ValueError(f"{path}: its files {[str(f) for f in files]} have incompatible columns: {e}") from e
+    return table, str(path)
+
+
+def _read_hub(hub_id: str, split: str, config: str | None) -> tuple[pa.Table, str]:
+    ds = datasets.load_dataset(hub_id, config, split=split)
+    if ds._indices is not None:
+        ds = ds.flatten_indices()
+    return ds.data.table, f"{hub_id} (split {split})"
+
+
+# Schema mapping --------------------------------------------------------------------------------------
+
+
+def _to_verl(table: pa.Table, origin: str, default_source: str, opts: dict[str, Any]) -> PromptSource:
+    if table.num_rows == 0:
+        raise ValueError(f"{origin}: the dataset is empty (no rows)")
+    columns = table.column_names
+    explicit_raw = "problem_key" in opts or "answer_key" in opts
+    if not explicit_raw and ("prompt" in columns or "reward_model" in columns):
+        schema, key_column = "verl", "prompt"
+        _check_verl_columns(table, origin)
+    else:
+        schema = "raw"
+        problem_key, answer_key, id_key = _raw_columns(columns, opts, origin)
+        key_column = problem_key
+        _check_string_column(table, problem_key, origin, "problem")
+
+    num_raw = table.num_rows
+    keep = _first_occurrences(table[key_column], origin, key_column) if opts.get("dedup", True) else None
+    if keep is not None and len(keep) < num_raw:
+        table = table.take(pa.array(keep))
+    duplicates = num_raw - table.num_rows
+    if "limit" in opts:
+        table = table.slice(0, opts["limit"])
+
+    if schema == "verl":
+        table = _normalise_verl(table, origin, opts.get("data_source"), default_source)
+    else:
+        table = _raw_to_verl(
+            table, problem_key, answer_key, id_key, origin, opts.get("data_source") or default_source
+        )
+    if duplicates:
+        log.info(
+            "%s: dropped %d duplicate prompts, kept %d of %d rows",
+            origin,
+            duplicates,
+            table.num_rows,
+            num_raw,
+        )
+    return PromptSource(datasets.Dataset(InMemoryTable(table)), origin, schema, num_raw, duplicates)
+
+
+def _raw_columns(columns: list[str], opts: dict[str, Any], origin: str) -> tuple[str, str, str | None]:
+    if "problem_key" in opts or "answer_key" in opts:
+        problem_key, answer_key = opts.get("problem_key", "problem"), opts.get("answer_key", "answer")
+        id_key = next((c for c in ("id", "ID") if c in columns), None)
+    else:
+        match = next((s for s in _RAW_SCHEMAS if s[0] in columns or s[1] in columns), _RAW_SCHEMAS[0])
+        problem_key, answer_key, id_key = match
+        id_key = id_key if id_key in columns else None
+    for role, key in (("prompt", problem_key), ("answer", answer_key)):
+        if key not in columns:
+            raise ValueError(
+                f"{origin}: no {role} column {key!r}. Expected the verl schema ('prompt' chat messages and "
+                f"'reward_model.ground_truth'), HuggingFaceH4/aime_2024 ('problem', 'answer'), Maxwell-Jia/AIME_2024 "
+                f"('Problem', 'Answer'), or problem_key=/answer_key= options; the columns are {columns}"
+            )
+    return problem_key, answer_key, id_key
+
+
+def _check_verl_columns(table: pa.Table, origin: str) -> None:
+    columns = table.column_names
+    if "prompt" not in columns:
+        raise ValueError(
+            f"{origin}: no prompt column 'prompt' (chat messages), which the verl schema needs next to "
+            f"'reward_model'; the columns are {columns}"
+        )
+    if "reward_model" not in columns:
+        raise ValueError(
+            f"{origin}: no answer column 'reward_model' (a struct with 'ground_truth'), which the verl schema "
+            f"needs next to 'prompt'; the columns are {columns}"
+        )
+    rm_type = table.schema.field("reward_model").type
+    if not pa.types.is_struct(rm_type) or rm_type.get_field_index("ground_truth") < 0:
+        raise ValueError(
+            f"{origin}: column 'reward_model' must be a struct with a 'ground_truth' field, got {rm_type}"
+        )
+    prompt_type = table.schema.field("prompt").type
+    item = (
+        prompt_type.value_type
+        if pa.types.is_list(prompt_type) or pa.types.is_large_list(prompt_type)
+        else None
+    )
+    if item is None or not pa.types.is_struct(item) or {"role", "content"} - {f.name for f in item}:
+        raise ValueError(
+            f"{origin}: column 'prompt' must hold chat messages (a list of {{role, content}}), got {prompt_type}; "
+            "raw problem text belongs in a 'problem' column"
+        )
+    _check_no_nulls(table["prompt"], origin, "prompt")
+
+
+def _check_string_column(table: pa.Table, column: str, origin: str, what: str) -> None:
+    col = table[column]
+    if not _is_str(col.type):
+        raise ValueError(f"{origin}: {what} column {column!r} must hold strings, got {col.type}")
+    _check_no_nulls(col, origin, column)
+
+
+def _is_str(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _check_no_nulls(col: pa.ChunkedArray, origin: str, column: str) -> None:
+    if col.null_count:
+        row = int(pc.index(pc.is_null(col), True).as_py())
+        raise ValueError(f"{origin}: column {column!r} is empty (null) in row {row}")
+
+
+def _prompt_keys(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    """One string per row that is equal exactly when the prompts are: role and content of every message."""
+    if _is_str(col.type):
+        return col
+    chunks = []
+    for chunk in col.chunks:
+        messages = chunk.flatten()  # respects the chunk's offset
+        per_message = pc.binary_join_element_wise(
+            pc.struct_field(messages, "role"), pc.struct_field(messages, "content"), "\x1f"
+        )
+        offsets = pc.subtract(chunk.offsets, chunk.offsets[0])
+        lists = type(chunk).from_arrays(offsets, per_message)
+        chunks.append(pc.binary_join(lists, "\x1e"))
+    return pa.chunked_array(chunks, type=chunks[0].type if chunks else pa.string())
+
+
+def _first_occurrences(col: pa.ChunkedArray, origin: str, column: str) -> np.ndarray:
+    """Sorted row indices of the first row of every distinct prompt (a hash group-by, no Python loop)."""
+    keys = _prompt_keys(col)
+    _check_no_nulls(keys, origin, column)
+    indexed = pa.table({"key": keys, "row": pa.array(np.arange(len(keys), dtype=np.int64))})
+    first = indexed.group_by("key", use_threads=False).aggregate([("row", "min")])["row_min"]
+    return np.sort(first.to_numpy())
+
+
+def _answers_as_strings(col: pa.ChunkedArray, origin: str, column: str) -> pa.ChunkedArray:
+    """Answers as stripped strings; integers (and integral floats) are converted, anything else is refused."""
+    _check_no_nulls(col, origin, column)
+    kind = col.type
+    if _is_str(kind):
+        out = col
+    elif pa.types.is_integer(kind):
+        out = pc.cast(col, pa.string())
+    elif pa.types.is_floating(kind):
+        integral = pc.and_(pc.is_finite(col), pc.equal(pc.floor(col), col))
+        if not pc.all(integral).as_py():
+            row = int(pc.index(integral, False).as_py())
+            raise ValueError(
+                f"{origin}: answer column {column!r} holds the non-integer number {col[row].as_py()!r} in row "
+                f"{row}; store answers as strings so that their exact form is kept"
+            )
+        out = pc.cast(pc.cast(col, pa.int64()), pa.string())
+    else:
+        raise ValueError(
+            f"{origin}: answer column {column!r} holds {kind}; expected strings (integers are converted)"
+        )
+    out = pc.utf8_trim_whitespace(out)
+    empty = pc.equal(pc.utf8_length(out), 0)
+    if pc.any(empty).as_py():
+        row = int(pc.index(empty, True).as_py())
+        raise ValueError(f"{origin}: answer column {column!r} is an empty string in row {row}")
+    return out.cast(pa.string())
+
+
+def _normalise_verl(table: pa.Table, origin: str, data_source: str | None, default_source: str) -> pa.Table:
+    reward_model = table["reward_model"].combine_chunks()
+    ground_truth = _answers_as_strings(
+        pa.chunked_array([pc.struct_field(reward_model, "ground_truth")]), origin, "reward_model.ground_truth"
+    ).combine_chunks()
+    names = [f.name for f in reward_model.type]
+    fields = [ground_truth if n == "ground_truth" else pc.struct_field(reward_model, n) for n in names]
+    if "style" not in names:
+        names, fields = names + ["style"], fields + [pa.array(["rule"] * len(reward_model))]
+    table = table.set_column(
+        table.column_names.index("reward_model"), "reward_model", pa.StructArray.from_arrays(fields, names)
+    )
+    if data_source is not None or "data_source" not in table.column_names:
+        column = pa.array([data_source or default_source] * table.num_rows, pa.string())
+        if "data_source" in table.column_names:
+            table = table.set_column(table.column_names.index("data_source"), "data_source", column)
+        else:
+            table = table.add_column(0, "data_source", column)
+    elif table["data_source"].null_count or not _is_str(table["data_source"].type):
+        raise ValueError(
+            f"{origin}: column 'data_source' must hold strings without nulls, got {table['data_source'].type}"
+        )
+    if "ability" not in table.column_names:
+        table = table.append_column("ability", pa.array(["math"] * table.num_rows))
+    return table
+
+
+def _raw_to_verl(
+    table: pa.Table, problem_key: str, answer_key: str, id_key: str | None, origin: str, data_source: str
+) -> pa.Table:
+    answers = _answers_as_strings(table[answer_key], origin, answer_key).to_pylist()
+    problems = table[problem_key].to_pylist()
+    ids = table[id_key].to_pylist() if id_key else list(range(len(problems)))
+    rows = {
+        "data_source": [data_source] * len(problems),
+        # Field order as in DAPO-Math-17k's parquet, so that the two concatenate.
+        "prompt": [[{"content": dapo_prompt(p), "role": "user"}] for p in problems],
+        "ability": ["math"] * len(problems),
+        "reward_model": [{"ground_truth": a, "style": "rule"} for a in answers],
+        "extra_info": [{"index": i, "id": str(x)} for i, x in enumerate(ids)],
+    }
+    return pa.table(rows)
+
+
+# Synthetic -------------------------------------------------------------------------------------------
+
+
+def _load_synthetic(task: str, opts: dict[str, Any], spec: str) -> PromptSource:
+    if task not in SYNTHETIC_TASKS:
+        raise ValueError(
+            f"prompt source {spec!r}: unknown synthetic task {task!r}; known: {list(SYNTHETIC_TASKS)}"
+        )
+    knobs = {k: opts[k] for k in ("num_terms", "max_operand", "ops") if k in opts}
+    rows = arith.make_rows(
+        opts.get("n", 256), opts.get("seed", 0), arith.ArithSpec(**knobs), opts.get("split", "train")
+    )
+    table = pa.Table.from_pylist(rows)
+    if "data_source" in opts:
+        table = table.set_column(0, "data_source", pa.array([opts["data_source"]] * table.num_rows))
+    num_raw = table.num_rows
+    if opts.get("dedup", False):
+        table = table.take(pa.array(_first_occurrences(table["prompt"], spec, "prompt")))
+    duplicates = num_raw - table.num_rows
+    if "limit" in opts:
+        table = table.slice(0, opts["limit"])
+    return PromptSource(datasets.Dataset(InMemoryTable(table)), spec, "synthetic", num_raw, duplicates)

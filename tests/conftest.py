@@ -1,0 +1,48 @@
+"""Shared test setup: markers, offline environment, the tiny models (built once, cached by content hash)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# No hub access anywhere in the tests; small KV cache for vLLM on CPU.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: run on the GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_path():
+    from rl.models.tiny import make_tiny
+
+    return make_tiny("qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_path():
+    from rl.models.tiny import make_tiny
+
+    return make_tiny("dense")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_sft_path():
+    from rl.models.tiny import make_tiny
+
+    return make_tiny("qwen3_moe", sft="arith")

@@ -1,0 +1,87 @@
+"""make-tiny: the locally trained tokenizer, the models, determinism and the content-hash cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rl.cli import main
+from rl.models import tiny
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny.train_tokenizer(seed=0)
+
+
+def test_tokenizer_is_deterministic_for_a_seed(tokenizer):
+    again = tiny.train_tokenizer(seed=0)
+    assert again.backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str()
+
+
+def test_tokenizer_splits_digits_and_round_trips_any_text(tokenizer):
+    pieces = [tokenizer.decode([i]) for i in tokenizer("12345 + 678", add_special_tokens=False)["input_ids"]]
+    assert [p for p in pieces if p.strip().isdigit()] == list("12345678")
+    text = "Ünïcödé ∑ 東京 🙂 \\boxed{42}"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_chat_template_opens_the_assistant_turn(tokenizer):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert text == "<|user|>\nhi<|end|>\n<|assistant|>\n"
+    assert tokenizer.eos_token == "<|end|>"
+
+
+@pytest.mark.parametrize("arch", ["dense", "qwen3_moe"])
+def test_same_seed_same_weights_other_seed_other_weights(arch):
+    a, _ = tiny.build(arch, seed=3)
+    b, _ = tiny.build(arch, seed=3)
+    c, _ = tiny.build(arch, seed=4)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_moe_model_meets_the_size_floor_and_loads_in_transformers(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "cache"))
+    path = tiny.make_tiny("qwen3_moe", tmp_path / "m", seed=0)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["hidden_size"] >= 128 and cfg["num_hidden_layers"] >= 4
+    assert cfg["num_local_experts"] >= 8 and cfg["num_experts_per_tok"] >= 2
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], cfg["vocab_size"])
+    assert torch.isfinite(logits).all()
+
+
+def test_cache_is_reused_and_out_gets_an_identical_copy(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "cache"))
+    first = tiny.make_tiny("dense", seed=1)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    again = tiny.make_tiny("dense", seed=1)
+    assert again == first and (again / "model.safetensors").stat().st_mtime_ns == stamp
+    out = tiny.make_tiny("dense", tmp_path / "out", seed=1)
+    for f in first.iterdir():
+        assert (out / f.name).read_bytes() == f.read_bytes()
+    assert tiny.make_tiny("dense", seed=2) != first
+
+
+def test_out_refuses_to_overwrite_a_directory_that_is_not_a_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "cache"))
+    precious = tmp_path / "notes"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("keep me")
+    assert main(["make-tiny", "--arch", "dense", "--out", str(precious)]) == 2
+    assert (precious / "thesis.txt").read_text() == "keep me"
+
+
+def test_unknown_arch_is_a_clear_error():
+    with pytest.raises(ValueError, match="--arch must be one of dense, qwen3_moe"):
+        tiny.make_tiny("llama9")
