@@ -36,7 +36,7 @@ Backend = str | Callable[[str, str], dict]
 def score(response: str, ground_truth: str, backend: Backend = "math_dapo") -> dict:
     """Score one response: `{"score": float, "acc": bool, "pred": str}`.
 
-    `backend` is "math_dapo", "math_verify" (needs `pip install "math-verify[antlr4_9_3]"`) or a picklable
+    `backend` is "math_dapo", "math_verify" (needs `pip install "math-verify[antlr4-9-3]"`) or a picklable
     function `(response, ground_truth) -> dict` of the same shape.
     """
     _check_pair(response, ground_truth, "score")
@@ -92,8 +92,8 @@ def _math_verify():
         import math_verify
     except ImportError as e:
         raise ImportError(
-            'the math_verify reward backend needs math-verify: pip install "math-verify[antlr4_9_3]" '
-            "(the antlr4_9_3 extra keeps the antlr runtime that omegaconf needs)"
+            'the math_verify reward backend needs math-verify: pip install "math-verify[antlr4-9-3]" '
+            "(the antlr4-9-3 extra keeps the antlr runtime that omegaconf needs)"
         ) from e
     return math_verify
 

@@ -84,9 +84,11 @@ def train(model, tokenizer, seed: int, steps: int = STEPS, noise: float = NOISE)
 
 
 @torch.no_grad()
-def heldout_accuracy(model, tokenizer, seed: int, n: int = EVAL_PROBLEMS, temperature: float = 1.0) -> float:
-    """Sampled (temperature 1) accuracy on held-out problems, scored by verl's math_dapo."""
-    from verl.utils.reward_score.math_dapo import compute_score
+def heldout_accuracy(
+    model, tokenizer, seed: int, n: int = EVAL_PROBLEMS, temperature: float = 1.0, sample_seed: int | None = None
+) -> float:
+    """Sampled (temperature 1) accuracy on held-out problems of `seed`, scored by rl.reward (math_dapo)."""
+    from rl.reward import score
 
     rows = make_rows(n, seed, SPEC, split="heldout")
     prompts = [_encode(tokenizer, r, "")[0] for r in rows]
@@ -96,12 +98,10 @@ def heldout_accuracy(model, tokenizer, seed: int, n: int = EVAL_PROBLEMS, temper
     for i, p in enumerate(prompts):  # left padding for generation
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed if sample_seed is None else sample_seed)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=1.0,
                          top_k=0, max_new_tokens=24, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id)
-    del gen
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    correct = [compute_score(t, r["reward_model"]["ground_truth"])["acc"] for t, r in zip(texts, rows)]
+    correct = [score(t, r["reward_model"]["ground_truth"])["acc"] for t, r in zip(texts, rows)]
     return sum(correct) / n

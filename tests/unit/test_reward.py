@@ -95,7 +95,7 @@ def test_math_verify_missing_gives_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)  # makes `import math_verify` fail
     reward._math_verify.cache_clear()
     try:
-        with pytest.raises(ImportError, match=r'pip install "math-verify\[antlr4_9_3\]"'):
+        with pytest.raises(ImportError, match=r'pip install "math-verify\[antlr4-9-3\]"'):
             RewardPool(num_workers=0, backend="math_verify")
     finally:
         reward._math_verify.cache_clear()
