@@ -23,9 +23,68 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from rl.config import load_config, run_dir
+
+    cfg = load_config(args.recipe, args.overrides)
+    if args.resume:
+        _check_resume_config(cfg, run_dir(cfg))
+    from rl.driver import train
+
+    summary = train(cfg, resume=args.resume)
+    print_summary(summary)
+    return 0
+
+
+def _check_resume_config(cfg, rdir) -> None:
+    """A resumed run must have the config it started with: same data order, same schedule."""
+    import dataclasses
+
+    from rl.config import load_config
+
+    saved_path = rdir / "config.yaml"
+    if not saved_path.exists():
+        raise FileNotFoundError(f"--resume: {rdir} holds no run (no config.yaml)")
+    saved = load_config(saved_path)
+    new, old = _flat(dataclasses.asdict(cfg)), _flat(dataclasses.asdict(saved))
+    changed = sorted(k for k in new.keys() | old.keys() if new.get(k) != old.get(k) and k != "trainer.total_steps")
+    if changed:
+        diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])
+        raise ValueError(f"--resume: the config differs from the run's own {saved_path} ({diff}); resume with "
+                         f"`sparkrl train {rdir} --resume` (only trainer.total_steps may change)")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def print_summary(s: dict) -> None:
+    lines = [f"run: {s['run_dir']} ({s['steps']} steps, {s['seconds']:.0f} s)"]
+    if s.get("eval_key"):
+        lines.append(f"{s['eval_key']}: {s['eval_start']:.3f} -> {s['eval_end']:.3f} "
+                     f"({s['eval_end'] - s['eval_start']:+.3f})")
+    if s.get("k3_kl_max") is not None:
+        lines.append(f"rollout_corr/k3_kl: mean {s['k3_kl_mean']:.2e}, max {s['k3_kl_max']:.2e}")
+    if s.get("report"):
+        lines.append(f"report: {s['report']}")
+    print("\n".join(lines))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparkrl", description="LoRA GRPO post-training of MoE models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="run GRPO: a recipe (or a run directory) plus key=value overrides")
+    p.add_argument("recipe", help="recipe YAML, shipped recipe name (demo_cpu), or a run directory")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.lr=1e-5")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's newest checkpoint")
+    p.set_defaults(func=_train)
 
     p = sub.add_parser("make-tiny", help="build a small test model (tokenizer trained locally, no hub access)")
     p.add_argument("--arch", required=True, choices=["dense", "qwen3_moe"])
@@ -41,6 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"sparkrl {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,79 @@
+"""Batches of tokenized prompts for the driver, in a seeded order that a resumed run reproduces.
+
+Prompts are rendered with the tokenizer's chat template once, at start; those longer than
+`max_prompt_len` are dropped (and counted) rather than truncated, since a cut-off problem has no answer.
+The order is a fresh permutation per epoch from (seed, epoch); `state_dict()` is (epoch, position), so a
+checkpoint restores exactly where the data stood.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Prompt:
+    prompt_ids: list[int]
+    data_source: str
+    ground_truth: str
+    index: int  # row in the source dataset
+
+
+def tokenize_prompts(dataset, tokenizer, max_prompt_len: int, prompt_key: str = "prompt",
+                     chat_template_kwargs: dict | None = None) -> tuple[list[Prompt], int]:
+    """(prompts that fit, number dropped for length) from a verl-schema dataset."""
+    if prompt_key not in dataset.column_names:
+        raise ValueError(f"data.prompt_key: column {prompt_key!r} is not in the dataset (columns: "
+                         f"{', '.join(dataset.column_names)})")
+    kept, dropped = [], 0
+    for i, row in enumerate(dataset):
+        ids = tokenizer.apply_chat_template(row[prompt_key], add_generation_prompt=True, tokenize=True,
+                                            **(chat_template_kwargs or {}))
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        if len(ids) > max_prompt_len:
+            dropped += 1
+            continue
+        kept.append(Prompt(list(ids), row["data_source"], str(row["reward_model"]["ground_truth"]), i))
+    if not kept:
+        raise ValueError(f"rollout.max_prompt_len: all {dropped} prompts are longer than {max_prompt_len} tokens")
+    return kept, dropped
+
+
+class PromptLoader:
+    def __init__(self, prompts: list[Prompt], batch_size: int, shuffle: bool = True, seed: int = 0):
+        if batch_size > len(prompts):
+            raise ValueError(f"data.train_batch_size: {batch_size} is more than the {len(prompts)} prompts available")
+        self.prompts, self.batch_size, self.shuffle, self.seed = prompts, batch_size, shuffle, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.prompts))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
+
+    def next_batch(self, size: int | None = None) -> list[Prompt]:
+        """The next `size` prompts (default: the batch size); an epoch's tail rolls into the next epoch."""
+        size = size or self.batch_size
+        out = []
+        while len(out) < size:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            take = self._order[self.position : self.position + size - len(out)]
+            out.extend(self.prompts[i] for i in take)
+            self.position += len(take)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_prompts": len(self.prompts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_prompts"] != len(self.prompts) or state["seed"] != self.seed:
+            raise ValueError(f"data loader state is for {state['num_prompts']} prompts with seed {state['seed']}, "
+                             f"this run has {len(self.prompts)} with seed {self.seed}: the data or data.seed changed")
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,347 @@
+"""The GRPO driver: one step of ../shared/design.md per loop iteration, on a Ray cluster.
+
+    for step in steps:
+        batch   = rollout.generate(prompts)                   # 1. samples, log-probs, routed experts
+        rewards = reward(batch)                               # 2. verifier scores (+ overlong shaping)
+        batch   = dynamic_sampling(batch)                     # 3. drop all-equal groups, draw more
+        logp    = trainer.log_probs(batch)                    # 4. adapter v, routing replayed: KL vs rollout
+        trainer.train_step(batch, advantages(rewards), logp)  # 5. GRPO update
+        rollout.load(trainer.export())                        # 6. adapter v+1 (or merged weights)
+        evaluate() every eval.every steps                     # 7. mean@k on the rollout workers
+
+Everything the step needs is built once in `Run.__init__` from the typed config; the config itself never
+reaches the workers, only the small specs made from it.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rl import algo
+from rl.batch import Sample
+from rl.checkpoint import latest_checkpoint, load_driver_state, save_checkpoint
+from rl.config import SparkConfig, run_dir, save_config
+from rl.data.loader import Prompt, PromptLoader
+from rl.metrics import MetricsLogger
+from rl.monitor import KLMonitor
+from rl.setup import build_components
+
+# Step-dependent sampling seeds: distinct per (run seed, step, request), identical on a resumed run.
+_SEED_STRIDE = 1_000_003
+
+
+class StopRun(RuntimeError):
+    """The run cannot go on (budget, repeated non-finite losses); the message says why."""
+
+
+class Run:
+    def __init__(self, cfg: SparkConfig, resume: bool = False):
+        self.cfg = cfg
+        self.dir = run_dir(cfg)
+        self._check_run_dir(resume)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.dir / "config.yaml")
+        c = build_components(cfg, self.dir)  # tokenizer, data, Ray, rollout pool, trainer group, reward
+        self.tokenizer, self.rollout, self.trainer, self.reward = c.tokenizer, c.rollout, c.trainer, c.reward
+        self.loader = PromptLoader(c.train_prompts, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        self.eval_prompts: list[Prompt] = c.eval_prompts
+        self.monitor = KLMonitor(cfg.monitor.k3_kl_max, cfg.monitor.k3_kl_trend_max, cfg.monitor.trend_window)
+        self.step, self.version, self.skipped_in_a_row, self.skipped_total = 0, 0, 0, 0
+        self.eval_history: list[tuple[int, dict]] = []
+        if resume and latest_checkpoint(self.dir) is not None:
+            self._resume(latest_checkpoint(self.dir))
+        self.log = MetricsLogger(self.dir, cfg.trainer.total_steps, self.step, cfg.logging.console_every,
+                                 cfg.logging.tensorboard, cfg.logging.wandb_project, cfg.logging.wandb_entity,
+                                 cfg.run.name)
+        self._stop_signal: str | None = None
+
+    # ------------------------------------------------------------------------------------------------
+    # The loop
+    # ------------------------------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        start = time.perf_counter()
+        self._install_signal_handlers()
+        try:
+            if self.cfg.eval.at_start and self.step == 0 and self._has_eval():
+                self.log.log(0, self.evaluate(0))
+            while self.step < self.cfg.trainer.total_steps:
+                self.step += 1
+                metrics = self.train_step(self.step)
+                if self._eval_due(self.step):
+                    metrics.update(self.evaluate(self.step))
+                self.log.log(self.step, metrics)
+                if self._checkpoint_due(self.step):
+                    self.checkpoint()
+                if self._stop_signal:
+                    self.log.event(f"[yellow]{self._stop_signal}: checkpoint written at step {self.step}; "
+                                   f"continue with --resume")
+                    break
+        finally:
+            self.log.close()
+        return self.summary(time.perf_counter() - start)
+
+    def train_step(self, step: int) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        metrics: dict[str, float] = {}
+
+        # 1-3. Rollout, reward, dynamic sampling.
+        samples, gen_s = self.collect_batch(step, metrics)
+        t_rollout = time.perf_counter()
+
+        # 4. Trainer log-probs with adapter v and the rollout's routing: the on-policy check.
+        old_logp = self.trainer.log_probs(samples)
+        metrics.update(mismatch_metrics(old_logp, samples))
+        warning = self.monitor.check(metrics["rollout_corr/k3_kl"])
+        if warning:
+            self.log.event(f"[red]step {step}: KL budget broken: {warning}")
+            if cfg.monitor.stop_on_violation:
+                self.checkpoint()
+                raise StopRun(f"step {step}: {warning} (monitor.stop_on_violation is set)")
+        metrics["monitor/kl_violations"] = self.monitor.violations
+
+        # 5. GRPO update.
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        groups = torch.tensor([s.group for s in samples])
+        advantages = algo.compute_advantages(rewards, groups, estimator=self.trainer.spec.algo.adv_estimator)
+        t_train = time.perf_counter()
+        train_metrics = self.trainer.train_step(samples, advantages.tolist(), old_logp)
+        metrics.update(train_metrics)
+        self._count_skips(step, train_metrics)
+        t_sync = time.perf_counter()
+
+        # 6. Send the new policy to the rollout workers.
+        self.version += 1
+        metrics.update(self.sync_weights())
+        t_end = time.perf_counter()
+
+        n_resp = sum(len(s.response_ids) for s in samples)
+        n_all = sum(s.num_tokens for s in samples)
+        metrics.update({
+            "perf/step_s": t_end - t0, "perf/rollout_s": t_rollout - t0, "perf/train_s": t_sync - t_train,
+            "perf/sync_s": metrics.get("perf/sync_s", t_end - t_sync),
+            "perf/rollout_tokens_per_s": n_resp / max(gen_s, 1e-9),
+            "perf/train_tokens_per_s": n_all / max(t_sync - t_train, 1e-9),
+            "adapter/version": self.version, "actor/lr": metrics.get("actor/lr", float("nan")),
+        })
+        return metrics
+
+    def collect_batch(self, step: int, metrics: dict) -> tuple[list[Sample], float]:
+        """Steps 1-3: generate, score, and (with dynamic sampling) keep only groups that carry signal."""
+        cfg = self.cfg
+        want = cfg.data.train_batch_size
+        draws = cfg.algorithm.dynamic_sampling.max_draws if cfg.algorithm.dynamic_sampling.enabled else 1
+        kept: list[Sample] = []
+        all_samples: list[Sample] = []
+        gen_s, reward_errors = 0.0, 0.0
+        for draw in range(draws):
+            prompts = self.loader.next_batch(want if draw == 0 else want - len({s.group for s in kept}))
+            t = time.perf_counter()
+            samples = self.rollout.generate(self._requests(prompts, offset=draw * want),
+                                            self._sampling(step * 64 + draw))
+            gen_s += time.perf_counter() - t
+            reward_errors += self._score(samples)
+            all_samples.extend(samples)
+            if not cfg.algorithm.dynamic_sampling.enabled:
+                kept = samples
+                break
+            keep, _ = algo.filter_groups(torch.tensor([s.reward for s in samples]),
+                                         torch.tensor([s.group for s in samples]))
+            kept.extend(s for s, k in zip(samples, keep.tolist()) if k)
+            if len({s.group for s in kept}) >= want:
+                break
+        if not kept:
+            # Every group had equal rewards: nothing to learn from; train on the plain batch (zero advantages).
+            kept = all_samples[: want * cfg.rollout.n]
+        metrics.update(batch_metrics(all_samples, kept, cfg.rollout.max_response_len))
+        metrics["reward/errors"] = reward_errors
+        return kept, gen_s
+
+    def sync_weights(self) -> dict:
+        if self.cfg.sync.mode == "adapter":
+            tensors, peft_config = self.trainer.export_adapter()
+            return self.rollout.load_adapter(tensors, peft_config, self.version)
+        return self.rollout.load_merged_weights(self.trainer.export_merged(), self.version)
+
+    def evaluate(self, step: int) -> dict:
+        """Step 7: k samples per eval problem on the rollout workers; mean@k, maj@k, best@k per source."""
+        from rl.evaluation import eval_metrics, records_from_samples, records_path, write_records
+
+        cfg = self.cfg
+        samples = self.rollout.generate(self._requests(self.eval_prompts),
+                                        self._sampling(-1 - step, eval=True))
+        responses = self._score(samples, return_responses=True)
+        records = records_from_samples(samples, responses)
+        write_records(records_path(self.dir, step), records)
+        metrics = eval_metrics(records, k=cfg.eval.k)
+        self.eval_history.append((step, metrics))
+        self.log.event(f"[cyan]eval step {step}: " + "  ".join(
+            f"{k.removeprefix('val-core/')} {v:.3f}" for k, v in metrics.items()))
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------
+    # Pieces of the step
+    # ------------------------------------------------------------------------------------------------
+
+    def _requests(self, prompts: list[Prompt], offset: int = 0):
+        from rollout.spec import PromptRequest
+
+        return [PromptRequest(p.prompt_ids, offset + i, p.data_source, p.ground_truth) for i, p in enumerate(prompts)]
+
+    def _sampling(self, stream: int, eval: bool = False):
+        from rollout.spec import SamplingSpec
+
+        cfg = self.cfg
+        seed = (cfg.rollout.seed * _SEED_STRIDE + stream * 7919) % (2**31 - 1)
+        if eval:
+            return SamplingSpec(n=cfg.eval.k, temperature=max(cfg.eval.temperature, 1e-5), top_p=cfg.eval.top_p,
+                                max_tokens=cfg.eval.max_response_len, seed=seed)
+        return SamplingSpec(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                            max_tokens=cfg.rollout.max_response_len, seed=seed)
+
+    def _score(self, samples: list[Sample], return_responses: bool = False):
+        """Fill reward/acc/pred of every sample (with DAPO overlong shaping); the error count or responses."""
+        responses = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+        results = self.reward.score_samples(samples, responses)
+        ov = self.cfg.algorithm.overlong
+        if ov.buffer_len > 0:
+            lengths = torch.tensor([len(s.response_ids) for s in samples])
+            penalty = algo.overlong_penalty(lengths, self.cfg.rollout.max_response_len, ov.buffer_len,
+                                            ov.penalty_factor)
+            for s, p in zip(samples, penalty.tolist()):
+                s.reward += p
+        return responses if return_responses else float(results.errors)
+
+    def _count_skips(self, step: int, train_metrics: dict) -> None:
+        if train_metrics.get("train/skipped", 0):
+            self.skipped_in_a_row += 1
+            self.skipped_total += 1
+            self.log.event(f"[red]step {step}: non-finite loss or gradient; update skipped "
+                           f"({self.skipped_in_a_row} in a row)")
+            limit = self.cfg.trainer.max_skipped_steps
+            if limit and self.skipped_in_a_row >= limit:
+                raise StopRun(f"step {step}: {self.skipped_in_a_row} updates in a row had a non-finite loss or "
+                              f"gradient (trainer.max_skipped_steps={limit}); lower trainer.lr, check the data, or "
+                              f"resume from {latest_checkpoint(self.dir)}")
+        else:
+            self.skipped_in_a_row = 0
+        train_metrics["train/skipped_steps"] = self.skipped_total
+
+    def _has_eval(self) -> bool:
+        return bool(self.eval_prompts) and self.cfg.eval.every >= 0
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.eval.every
+        return self._has_eval() and ((every > 0 and step % every == 0) or step == self.cfg.trainer.total_steps)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.trainer.checkpoint_every
+        return bool(self._stop_signal) or step == self.cfg.trainer.total_steps or (every > 0 and step % every == 0)
+
+    # ------------------------------------------------------------------------------------------------
+    # Checkpoint, resume, signals
+    # ------------------------------------------------------------------------------------------------
+
+    def checkpoint(self) -> Path:
+        state = {"step": self.step, "adapter_version": self.version, "loader": self.loader.state_dict(),
+                 "monitor": self.monitor.state_dict(), "skipped_total": self.skipped_total,
+                 "eval_history": self.eval_history}
+        path = save_checkpoint(self.dir, self.step, state, self.trainer.save_checkpoint,
+                               keep=self.cfg.trainer.keep_checkpoints)
+        self.log.event(f"checkpoint: {path}")
+        return path
+
+    def _resume(self, ckpt: Path) -> None:
+        state = load_driver_state(ckpt)
+        self.trainer.load_checkpoint(ckpt / "trainer")
+        self.step, self.version = state["step"], state["adapter_version"]
+        self.loader.load_state_dict(state["loader"])
+        self.monitor.load_state_dict(state["monitor"])
+        self.skipped_total = state.get("skipped_total", 0)
+        self.eval_history = [tuple(x) for x in state.get("eval_history", [])]
+        if self.version > 0:
+            self.sync_weights()
+        print(f"resume: from {ckpt} (step {self.step}, adapter version {self.version})")
+
+    def _check_run_dir(self, resume: bool) -> None:
+        if resume:
+            if not (self.dir / "config.yaml").exists():
+                raise FileNotFoundError(f"--resume: {self.dir} holds no run (no config.yaml)")
+            return
+        if (self.dir / "metrics.jsonl").exists() or (self.dir / "checkpoints").exists():
+            raise FileExistsError(f"run directory {self.dir} already holds a run: pass --resume to continue it, "
+                                  f"or choose another run.name")
+
+    def _install_signal_handlers(self) -> None:
+        def handler(signum, frame):
+            if self._stop_signal:  # second signal: stop now
+                raise KeyboardInterrupt
+            self._stop_signal = signal.Signals(signum).name
+            self.log.event(f"[yellow]{self._stop_signal}: finishing step {self.step}, then checkpoint and exit "
+                           f"(send again to stop at once)")
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+
+    def summary(self, seconds: float) -> dict:
+        from rl.metrics import read_metrics
+
+        records = read_metrics(self.dir)
+        kls = [r["rollout_corr/k3_kl"] for r in records if isinstance(r.get("rollout_corr/k3_kl"), float)]
+        out = {"run_dir": str(self.dir), "steps": self.step, "seconds": round(seconds, 1),
+               "k3_kl_mean": float(np.mean(kls)) if kls else None, "k3_kl_max": max(kls) if kls else None}
+        if self.eval_history:
+            key = next((k for k in self.eval_history[0][1] if "/acc/mean@" in k), None)
+            if key:
+                out["eval_key"] = key
+                out["eval_start"] = self.eval_history[0][1][key]
+                out["eval_end"] = self.eval_history[-1][1][key]
+        return out
+
+    def close(self) -> None:
+        for part in (self.rollout, self.trainer, self.reward):
+            try:
+                part.shutdown() if hasattr(part, "shutdown") else part.close()
+            except Exception as e:  # noqa: BLE001 - best effort on the way out; report, don't mask the real error
+                print(f"shutdown: {type(part).__name__}: {e}")
+
+
+def mismatch_metrics(trainer_logp: list[np.ndarray], samples: list[Sample]) -> dict:
+    """`rollout_corr/*` over all response tokens: trainer (adapter v, replayed routing) vs rollout log-probs."""
+    width = max(len(s.response_ids) for s in samples)
+    t = torch.zeros(len(samples), width, dtype=torch.float64)
+    r = torch.zeros_like(t)
+    mask = torch.zeros_like(t)
+    for i, (lp, s) in enumerate(zip(trainer_logp, samples)):
+        n = len(s.response_ids)
+        t[i, :n] = torch.as_tensor(lp, dtype=torch.float64)
+        r[i, :n] = torch.as_tensor(s.response_logprobs, dtype=torch.float64)
+        mask[i, :n] = 1
+    return {k: float(v) for k, v in algo.rollout_mismatch_metrics(t, r, mask).items()}
+
+
+def batch_metrics(all_samples: list[Sample], kept: list[Sample], max_response_len: int) -> dict:
+    rewards = np.array([s.reward for s in all_samples], dtype=np.float64)
+    lengths = np.array([len(s.response_ids) for s in all_samples], dtype=np.float64)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "acc/mean": float(np.mean([bool(s.acc) for s in all_samples])),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float(np.mean([s.finish_reason == "length" for s in all_samples])),
+        "batch/kept_groups": len({s.group for s in kept}),
+        "batch/samples": len(kept),
+    }
+
+
+def train(cfg: SparkConfig, resume: bool = False) -> dict:
+    run = Run(cfg, resume=resume)
+    try:
+        return run.train()
+    finally:
+        run.close()

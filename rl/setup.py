@@ -1,0 +1,126 @@
+"""Build what a run needs from its config: model paths, tokenizer, prompts, Ray, workers, reward pool.
+
+The only place that turns the config tree into the small specs the workers take
+(`rollout.spec.EngineSpec`, `trainer.spec.TrainerSpec`); rollout/ and trainer/ never see the config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rl.config import SparkConfig
+from rl.data.loader import Prompt, tokenize_prompts
+
+
+@dataclass
+class Components:
+    tokenizer: Any
+    train_prompts: list[Prompt]
+    eval_prompts: list[Prompt]
+    rollout: Any  # rollout.pool.RolloutPool
+    trainer: Any  # trainer.group.TrainerGroup
+    reward: Any  # rl.reward.RewardPool
+    model_path: str
+    rollout_path: str
+
+
+def resolve_model_paths(cfg: SparkConfig) -> tuple[str, str]:
+    """(trainer weights, rollout weights); `model.make_tiny` builds (or takes from cache) a tiny model."""
+    tiny = cfg.model.make_tiny
+    if tiny.arch:
+        from rl.models.tiny import make_tiny
+
+        path = str(make_tiny(tiny.arch, seed=tiny.seed, sft=tiny.sft or None))
+        return path, path
+    return cfg.model.path, cfg.model.rollout_path or cfg.model.path
+
+
+def load_prompts_for(cfg: SparkConfig, spec: str, tokenizer, split: str, rows: int) -> list[Prompt]:
+    """Tokenized prompts of a source spec; `synthetic:arith` takes its knobs from `data.arith` unless the
+    spec's own query sets them."""
+    from rl.data.sources import load_source, parse_spec
+
+    location, query = parse_spec(spec)
+    options: dict[str, Any] = {}
+    if location == "synthetic:arith":
+        a = cfg.data.arith
+        defaults = {"n": rows, "seed": cfg.data.seed, "split": split, "num_terms": a.num_terms,
+                    "max_operand": a.max_operand, "ops": a.ops}
+        options = {k: v for k, v in defaults.items() if k not in query}
+    source = load_source(spec, **options)
+    prompts, dropped = tokenize_prompts(source.dataset, tokenizer, cfg.rollout.max_prompt_len, cfg.data.prompt_key,
+                                        dict(cfg.data.chat_template_kwargs))
+    note = f", {source.num_duplicates} duplicates dropped" if source.num_duplicates else ""
+    note += f", {dropped} over rollout.max_prompt_len dropped" if dropped else ""
+    print(f"data: {len(prompts)} prompts from {spec}{note}")
+    return prompts
+
+
+def init_ray(cfg: SparkConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address)
+        return
+    # A local cluster: enough CPU slots for every worker even on a 2-core machine (they mostly wait on
+    # each other); the dashboard stays on loopback.
+    need = cfg.trainer.num_ranks + cfg.rollout.num_workers + 1
+    ray.init(num_cpus=max(os.cpu_count() or 1, need), num_gpus=cfg.resources.num_gpus or None,
+             include_dashboard=False, log_to_driver=True)
+
+
+def trainer_spec(cfg: SparkConfig, model_path: str):
+    from rl.algo import AlgoConfig
+    from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
+
+    a, t, lo = cfg.algorithm, cfg.trainer, cfg.lora
+    algo_cfg = AlgoConfig(
+        adv_estimator="drgrpo" if a.adv_estimator == "grpo" and not a.norm_adv_by_std else a.adv_estimator,
+        loss_mode=a.policy_loss, clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
+        loss_scale_factor=float(cfg.rollout.max_response_len), kl_coef=a.kl_coef, tis_cap=a.rollout_correction.tis_cap or None,
+        mis_token_bounds=(a.rollout_correction.mis_low, a.rollout_correction.mis_high)
+        if a.rollout_correction.mis_high else None,
+    )
+    max_seq = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
+    return TrainerSpec(
+        model_path=model_path, dtype=cfg.model.dtype,
+        lora=LoraSpec(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, attention=bool(lo.target_modules),
+                      experts=lo.target_experts, latent=lo.target_latent,
+                      extra=[lo.extra] if lo.extra else []),
+        optim=OptimSpec(lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
+                        warmup_steps=t.warmup_steps, total_steps=t.total_steps * t.ppo_epochs,
+                        schedule=t.lr_schedule, grad_clip=t.grad_clip),
+        algo=algo_cfg, micro_batch_size=t.micro_batch_size,
+        micro_batch_tokens=max(t.micro_batch_tokens, max_seq) if t.micro_batch_tokens else 0,
+        max_seq_len=max_seq, r3=cfg.r3.enabled, activation_checkpointing=t.activation_checkpointing,
+        seed=cfg.run.seed,
+    )
+
+
+def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
+    from transformers import AutoTokenizer
+
+    from rl.reward import RewardPool
+    from rollout.pool import RolloutPool
+    from rollout.spec import engine_spec_from_config
+    from trainer.group import TrainerGroup
+
+    model_path, rollout_path = resolve_model_paths(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    train_prompts = load_prompts_for(cfg, cfg.data.train, tokenizer, "train", cfg.data.arith.train_rows)
+    eval_prompts = (load_prompts_for(cfg, cfg.eval.data, tokenizer, "test", cfg.data.arith.eval_rows)
+                    if cfg.eval.data and cfg.eval.every >= 0 else [])
+    init_ray(cfg)
+    rollout = RolloutPool(engine_spec_from_config(cfg, rollout_path), cfg.rollout.num_workers,
+                          stage_dir=str(run_dir / ".adapters"))
+    trainer = TrainerGroup(trainer_spec(cfg, model_path), cfg.trainer.num_ranks,
+                           use_gpu=cfg.resources.num_gpus > 0)
+    reward = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend)
+    return Components(tokenizer, train_prompts, eval_prompts, rollout, trainer, reward, model_path, rollout_path)
