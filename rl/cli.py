@@ -97,9 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rl.monitor import StopRun
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, StopRun) as e:
         print(f"sparkrl {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -28,15 +28,11 @@ from rl.checkpoint import latest_checkpoint, load_driver_state, save_checkpoint
 from rl.config import SparkConfig, run_dir, save_config
 from rl.data.loader import Prompt, PromptLoader
 from rl.metrics import MetricsLogger
-from rl.monitor import KLMonitor
+from rl.monitor import KLMonitor, StopRun
 from rl.setup import build_components
 
 # Step-dependent sampling seeds: distinct per (run seed, step, request), identical on a resumed run.
 _SEED_STRIDE = 1_000_003
-
-
-class StopRun(RuntimeError):
-    """The run cannot go on (budget, repeated non-finite losses); the message says why."""
 
 
 class Run:

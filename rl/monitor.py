@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class StopRun(RuntimeError):
+    """The run cannot go on (KL budget with stop_on_violation, repeated non-finite losses); says why."""
+
+
 @dataclass
 class KLMonitor:
     k3_kl_max: float = 0.0  # 0 = no per-step check

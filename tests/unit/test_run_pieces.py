@@ -1,0 +1,83 @@
+"""The driver's small parts: prompt order and its resume, the KL budget, checkpoint atomicity, metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rl.checkpoint import checkpoint_dirs, latest_checkpoint, load_driver_state, save_checkpoint
+from rl.data.loader import Prompt, PromptLoader
+from rl.metrics import MetricsLogger, read_metrics
+from rl.monitor import KLMonitor
+
+
+def _prompts(n):
+    return [Prompt([1, 2, i], "src", str(i), i) for i in range(n)]
+
+
+def test_loader_covers_each_prompt_once_per_epoch_and_reshuffles():
+    loader = PromptLoader(_prompts(10), batch_size=5, seed=1)
+    epoch0 = [p.index for p in loader.next_batch() + loader.next_batch()]
+    epoch1 = [p.index for p in loader.next_batch() + loader.next_batch()]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(10))
+    assert epoch0 != epoch1 and epoch0 != list(range(10))
+
+
+def test_loader_resumes_to_the_same_order():
+    a = PromptLoader(_prompts(7), batch_size=3, seed=5)
+    for _ in range(3):
+        a.next_batch()
+    state = json.loads(json.dumps(a.state_dict()))
+    b = PromptLoader(_prompts(7), batch_size=3, seed=5)
+    b.load_state_dict(state)
+    assert [p.index for p in a.next_batch()] == [p.index for p in b.next_batch()]
+    with pytest.raises(ValueError, match="data or data.seed changed"):
+        PromptLoader(_prompts(8), batch_size=3, seed=5).load_state_dict(state)
+
+
+def test_loader_rejects_a_batch_larger_than_the_data():
+    with pytest.raises(ValueError, match="data.train_batch_size: 8 is more than the 4 prompts"):
+        PromptLoader(_prompts(4), batch_size=8)
+
+
+def test_kl_monitor_flags_the_budget_and_the_trend():
+    m = KLMonitor(k3_kl_max=1e-3, trend_max=3.0, window=2)
+    assert m.check(1e-4) is None and m.check(1e-4) is None
+    assert "monitor.k3_kl_max" in m.check(2e-3)
+    assert "trend" in m.check(9e-4)  # last two (2e-3, 9e-4) average 14.5x the first two
+    assert m.violations == 2
+    assert "k3_kl_max" in KLMonitor(k3_kl_max=1.0).check(float("nan"))
+
+
+def test_checkpoint_is_atomic_and_pruned(tmp_path):
+    def trainer_part(d):
+        d.mkdir()
+        (d / "adapter.bin").write_bytes(b"x")
+
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, {"step": step}, trainer_part, keep=2)
+    assert [s for s, _ in checkpoint_dirs(tmp_path)] == [2, 3]
+    assert load_driver_state(latest_checkpoint(tmp_path)) == {"step": 3}
+
+    def crash(d):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        save_checkpoint(tmp_path, 4, {"step": 4}, crash, keep=2)
+    # the half-written step 4 is never taken for a checkpoint, and nothing older was lost
+    assert [s for s, _ in checkpoint_dirs(tmp_path)] == [2, 3]
+
+
+def test_metrics_jsonl_drops_steps_after_the_resume_point(tmp_path):
+    log = MetricsLogger(tmp_path, total_steps=4, tensorboard=False)
+    for step in (1, 2, 3):
+        log.log(step, {"reward/mean": step / 10, "actor/grad_norm": float("nan")})
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert read_metrics(tmp_path)[0]["actor/grad_norm"] == "nan"
+    log = MetricsLogger(tmp_path, total_steps=4, start_step=2, tensorboard=False)
+    log.log(3, {"reward/mean": 0.9})
+    log.close()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["reward/mean"] == 0.9
