@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft", choices=["arith"], default=None,
                    help="fine-tune on noisy arithmetic so held-out accuracy lands in 0.3-0.6 (cached)")
     p.set_defaults(func=_make_tiny)
+
+    from rl import report
+
+    report.register(sub)
     return parser
 
 
