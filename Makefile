@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: setup
-	$(BIN)/sparkrl train recipes/demo_cpu.yaml
+	$(BIN)/sparkrl train recipes/demo_cpu.yaml run.name=demo-$$(date +%Y%m%d-%H%M%S)
 
 test: setup
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)

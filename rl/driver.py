@@ -80,7 +80,11 @@ class Run:
                     break
         finally:
             self.log.close()
-        return self.summary(time.perf_counter() - start)
+        from rl.report import write_report
+
+        summary = self.summary(time.perf_counter() - start)
+        summary["report"] = str(write_report([self.dir]))
+        return summary
 
     def train_step(self, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
