@@ -13,3 +13,12 @@ def hf_checkpoint_state_dict(model, state_dict: dict) -> dict:
     except ImportError:  # transformers < 5: no load-time conversion to revert
         return dict(state_dict)
     return revert_weight_conversion(model, dict(state_dict))
+
+
+def vllm_fused_moe_factory():
+    """vLLM's fused-MoE constructor (router + experts + runner; same arguments in both versions): named
+    `FusedMoE` in vLLM 0.26 and `FusedMoEFactory` from 0.30 on."""
+    from vllm.model_executor.layers import fused_moe
+
+    factory = getattr(fused_moe, "FusedMoEFactory", None)
+    return factory if factory is not None else fused_moe.FusedMoE

@@ -44,6 +44,7 @@ class Run:
         save_config(cfg, self.dir / "config.yaml")
         c = build_components(cfg, self.dir)  # tokenizer, data, Ray, rollout pool, trainer group, reward
         self.tokenizer, self.rollout, self.trainer, self.reward = c.tokenizer, c.rollout, c.trainer, c.reward
+        self.adv_estimator = c.trainer_spec.algo.adv_estimator
         self.loader = PromptLoader(c.train_prompts, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.eval_prompts: list[Prompt] = c.eval_prompts
         self.monitor = KLMonitor(cfg.monitor.k3_kl_max, cfg.monitor.k3_kl_trend_max, cfg.monitor.trend_window)
@@ -95,7 +96,8 @@ class Run:
         t_rollout = time.perf_counter()
 
         # 4. Trainer log-probs with adapter v and the rollout's routing: the on-policy check.
-        old_logp = self.trainer.log_probs(samples)
+        old_logp, logp_metrics = self.trainer.log_probs(samples)
+        metrics.update(logp_metrics)
         metrics.update(mismatch_metrics(old_logp, samples))
         warning = self.monitor.check(metrics["rollout_corr/k3_kl"])
         if warning:
@@ -108,7 +110,7 @@ class Run:
         # 5. GRPO update.
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group for s in samples])
-        advantages = algo.compute_advantages(rewards, groups, estimator=self.trainer.spec.algo.adv_estimator)
+        advantages = algo.compute_advantages(rewards, groups, estimator=self.adv_estimator)
         t_train = time.perf_counter()
         train_metrics = self.trainer.train_step(samples, advantages.tolist(), old_logp)
         metrics.update(train_metrics)
@@ -218,7 +220,7 @@ class Run:
         return responses if return_responses else float(results.errors)
 
     def _count_skips(self, step: int, train_metrics: dict) -> None:
-        if train_metrics.get("train/skipped", 0):
+        if train_metrics.get("actor/skipped_step", 0):
             self.skipped_in_a_row += 1
             self.skipped_total += 1
             self.log.event(f"[red]step {step}: non-finite loss or gradient; update skipped "
@@ -251,14 +253,14 @@ class Run:
         state = {"step": self.step, "adapter_version": self.version, "loader": self.loader.state_dict(),
                  "monitor": self.monitor.state_dict(), "skipped_total": self.skipped_total,
                  "eval_history": self.eval_history}
-        path = save_checkpoint(self.dir, self.step, state, self.trainer.save_checkpoint,
+        path = save_checkpoint(self.dir, self.step, state, lambda d: self.trainer.save_checkpoint(str(d)),
                                keep=self.cfg.trainer.keep_checkpoints)
         self.log.event(f"checkpoint: {path}")
         return path
 
     def _resume(self, ckpt: Path) -> None:
         state = load_driver_state(ckpt)
-        self.trainer.load_checkpoint(ckpt / "trainer")
+        self.trainer.load_checkpoint(str(ckpt / "trainer"))
         self.step, self.version = state["step"], state["adapter_version"]
         self.loader.load_state_dict(state["loader"])
         self.monitor.load_state_dict(state["monitor"])

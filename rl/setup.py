@@ -23,6 +23,7 @@ class Components:
     rollout: Any  # rollout.pool.RolloutPool
     trainer: Any  # trainer.group.TrainerGroup
     reward: Any  # rl.reward.RewardPool
+    trainer_spec: Any  # trainer.spec.TrainerSpec
     model_path: str
     rollout_path: str
 
@@ -120,7 +121,8 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
     init_ray(cfg)
     rollout = RolloutPool(engine_spec_from_config(cfg, rollout_path), cfg.rollout.num_workers,
                           stage_dir=str(run_dir / ".adapters"))
-    trainer = TrainerGroup(trainer_spec(cfg, model_path), cfg.trainer.num_ranks,
-                           use_gpu=cfg.resources.num_gpus > 0)
+    spec = trainer_spec(cfg, model_path)
+    trainer = TrainerGroup(spec, cfg.trainer.num_ranks, use_gpu=cfg.resources.num_gpus > 0)
     reward = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend)
-    return Components(tokenizer, train_prompts, eval_prompts, rollout, trainer, reward, model_path, rollout_path)
+    return Components(tokenizer, train_prompts, eval_prompts, rollout, trainer, reward, spec, model_path,
+                      rollout_path)

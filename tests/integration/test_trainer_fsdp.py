@@ -1,0 +1,213 @@
+"""The trainer on 2 gloo ranks (real Ray actors through TrainerGroup, FSDP2, activation checkpointing,
+R3) against a plain single-process reference of the same math (trainer.testing: one sequence at a time,
+no padding, no FSDP). No fakes; the LoRA B matrices start random (not PEFT's zeros) so that every
+gradient is non-zero and the comparison means something."""
+
+import copy
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from rl.algo import AlgoConfig
+from rl.compat import hf_checkpoint_state_dict
+from rl.models.tiny import make_tiny
+from trainer.checkpoint_io import write_adapter
+from trainer.group import TrainerGroup
+from trainer.lora import apply_lora
+from trainer.routing_replay import RoutingReplay
+from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
+from trainer.testing import live_routing, random_samples, reference_logprobs, reference_loss
+
+ALGO = AlgoConfig(clip_ratio_low=0.2, clip_ratio_high=0.28)
+OPTIM = OptimSpec(
+    lr=1e-2, grad_clip=0.5, warmup_steps=2, total_steps=10, schedule="cosine", weight_decay=0.01
+)
+
+
+def make_spec() -> TrainerSpec:
+    return TrainerSpec(
+        model_path=str(make_tiny("qwen3_moe")),
+        dtype="float32",  # exact comparisons on CPU; bf16 compute is the GPU default
+        lora=LoraSpec(rank=4, alpha=8.0, init_lora_weights=False),
+        optim=OPTIM,
+        algo=ALGO,
+        micro_batch_size=2,
+        max_seq_len=32,
+        r3=True,
+        activation_checkpointing=True,
+        seed=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers import AutoModelForCausalLM
+
+    spec = make_spec()
+    base = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
+    model = apply_lora(base, spec.lora, spec.seed, init_lora_weights=False)
+    model.eval()
+    return model, RoutingReplay(base)
+
+
+@pytest.fixture(scope="module")
+def batch(reference):
+    """5 samples (ranks get 3 and 2: one rank pads with an empty micro-batch): replayed own routing,
+    replayed foreign ids, and no routing at all."""
+    model, _ = reference
+    samples = random_samples(5, seed=7)
+    rng = np.random.default_rng(0)
+    for i, s in enumerate(samples):
+        if i in (0, 3):
+            s.routed_experts = live_routing(model, s.prompt_ids + s.response_ids)
+        elif i in (1, 4):
+            s.routed_experts = rng.integers(0, 8, (s.num_tokens - 1, 4, 2)).astype(np.uint8)
+    advantages = [1.0, -0.5, 0.7, -1.2, 0.3]
+    with torch.no_grad():
+        ref_lp = [reference_logprobs(model, s, reference[1]) for s in samples]
+    # Old log-probs off by up to +-0.4 so that some ratios are clipped.
+    old = [
+        (lp + torch.from_numpy(rng.uniform(-0.4, 0.4, len(lp)).astype(np.float32))).numpy() for lp in ref_lp
+    ]
+    return samples, advantages, old, ref_lp
+
+
+@pytest.fixture(scope="module")
+def group():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    g = TrainerGroup(make_spec(), num_ranks=2)
+    yield g
+    g.shutdown()
+    ray.shutdown()
+
+
+def test_two_ranks_match_the_single_process_reference(group, reference, batch, tmp_path_factory):
+    model, replay = reference
+    samples, advantages, old, ref_lp = batch
+
+    logps, metrics = group.log_probs(samples)
+    for got, want in zip(logps, ref_lp):
+        assert got.dtype == np.float32 and got.shape == want.shape
+        np.testing.assert_allclose(got, want.numpy(), atol=2e-5)
+    # 4 of 5 samples are replayed, each on all rows but its last token
+    routed_rows = sum(s.num_tokens - 1 for s in samples if s.routed_experts is not None)
+    assert metrics["r3/replayed_fraction"] == pytest.approx(routed_rows / sum(s.num_tokens for s in samples))
+
+    # One step: loss, metrics and gradients against the reference.
+    model.zero_grad(set_to_none=True)
+    loss, ref_metrics = reference_loss(model, samples, advantages, old, ALGO, replay)
+    loss.backward()
+    step = group.train_step(samples, advantages, old)
+    assert step["actor/pg_loss"] == pytest.approx(float(loss.detach()), rel=1e-4, abs=1e-6)
+    assert step["actor/pg_clipfrac"] == pytest.approx(ref_metrics["actor/pg_clipfrac"], abs=1e-6)
+    assert 0 < step["actor/pg_clipfrac"] < 1
+    assert step["actor/lr"] == pytest.approx(OPTIM.lr / OPTIM.warmup_steps)  # first warm-up step
+    assert step["perf/train_tokens"] == sum(s.num_tokens for s in samples)
+
+    params = {n.replace(".default.", "."): p for n, p in model.named_parameters() if p.requires_grad}
+    ref_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), OPTIM.grad_clip)
+    assert step["actor/grad_norm"] == pytest.approx(float(ref_norm), rel=1e-4)
+    assert step["actor/grad_norm"] > OPTIM.grad_clip  # so clipping was exercised
+    grads = group.gradients()  # as the optimizer saw them: summed over ranks and micro-batches, clipped
+    assert set(grads) == set(params)
+    for name, g in grads.items():
+        torch.testing.assert_close(
+            g, params[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    # R3 reaches the experts: every expert LoRA weight has a gradient
+    assert all(grads[n].abs().max() > 0 for n in grads if ".experts." in n)
+
+    # The update: AdamW with the same hyper-parameters on the reference.
+    opt = torch.optim.AdamW(
+        list(params.values()), lr=OPTIM.lr / OPTIM.warmup_steps, weight_decay=OPTIM.weight_decay
+    )
+    opt.step()
+    adapter, config = group.export_adapter()
+    from peft import get_peft_model_state_dict
+
+    assert set(adapter) == set(get_peft_model_state_dict(model))
+    assert config["r"] == 4 and sorted(config["target_parameters"]) == [
+        "mlp.experts.down_proj",
+        "mlp.experts.gate_up_proj",
+    ]
+    for name, v in adapter.items():
+        # Adam's first step is ~lr * sign(g): a gradient within rounding of 0 moves by a rounding-sized
+        # amount times lr / eps, hence atol at 0.2 % of one step (lr / 2 = 5e-3).
+        torch.testing.assert_close(
+            v, params[name].detach(), rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+    # Merged export: PEFT's own merge of the exported adapter, in on-disk names (per-expert keys).
+    merged = group.export_merged()
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in twin.named_parameters():
+            if p.requires_grad:
+                p.copy_(adapter[n.replace(".default.", ".")])
+    twin = twin.merge_and_unload()
+    want = hf_checkpoint_state_dict(twin, twin.state_dict())
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in merged and set(merged) == set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_bad_input_is_named_and_no_rank_hangs(group, batch, tmp_path):
+    samples, advantages, _, _ = batch
+    long = random_samples(1, seed=5, prompt_len=(20, 21), response_len=(20, 21))
+    with pytest.raises(
+        ValueError, match=r"sample 1: 20 prompt \+ 20 response tokens = 40, over the trainer's max_seq_len 32"
+    ):
+        group.log_probs(samples[:1] + long)
+    bad = copy.deepcopy(samples[0])
+    bad.routed_experts[0, 0, 0] = 9
+    with pytest.raises(ValueError, match=r"expert ids 0\.\.9, but the model has 8 experts"):
+        group.train_step([bad] + samples[1:], advantages)
+    # An adapter of another rank does not load.
+    adapter, config = group.export_adapter()
+    wrong = {
+        k: torch.zeros(v.shape[0] * 2, *v.shape[1:]) if ".lora_A." in k else v for k, v in adapter.items()
+    }
+    write_adapter(tmp_path / "wrong", wrong, config)
+    with pytest.raises(
+        ValueError,
+        match=r"does not match the model\n(.*\n)*.*k_proj.lora_A.weight: shape \(8, 128\), the model has",
+    ):
+        group.load_adapter(str(tmp_path / "wrong"))
+    # the group still works after rejecting all of these
+    logps, _ = group.log_probs(samples)
+    assert len(logps) == len(samples)
+
+
+def test_resume_gives_the_same_next_step(group, batch, tmp_path):
+    """Last in this file: it replaces the module's group by a fresh one."""
+    samples, advantages, old, _ = batch
+    second = random_samples(4, seed=11)
+    adv2 = [0.5, -1.0, 1.5, -0.2]
+    group.train_step(samples, advantages, old)
+    group.save_checkpoint(str(tmp_path / "ckpt"))
+    uninterrupted = group.train_step(second, adv2)
+    after, _ = group.export_adapter()
+
+    step = group.load_checkpoint(str(tmp_path / "ckpt"))
+    assert step >= 1
+    resumed = group.train_step(second, adv2)
+    again, _ = group.export_adapter()
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/entropy"):
+        assert resumed[k] == uninterrupted[k], k  # exactly
+    for k in after:
+        assert torch.equal(after[k], again[k]), k
+
+    # A fresh set of processes (a restarted run) resumes to the same step too.
+    group.shutdown()
+    fresh = TrainerGroup(make_spec(), num_ranks=2)
+    try:
+        assert fresh.load_checkpoint(str(tmp_path / "ckpt")) == step
+        restarted = fresh.train_step(second, adv2)
+        for k in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/entropy"):
+            assert restarted[k] == uninterrupted[k], k
+        final, _ = fresh.export_adapter()
+        assert all(torch.equal(after[k], final[k]) for k in after)
+    finally:
+        fresh.shutdown()

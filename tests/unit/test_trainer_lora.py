@@ -1,0 +1,97 @@
+"""trainer.lora on the tiny Qwen3-MoE (single process, real PEFT): targets, the exported adapter loading
+back with PEFT, the merge against PEFT's merge, and errors for adapters that do not fit."""
+
+import copy
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model_state_dict
+
+from rl.compat import hf_checkpoint_state_dict
+from rl.models.tiny import make_tiny
+from trainer.checkpoint_io import read_adapter, write_adapter
+from trainer.lora import apply_lora, check_adapter, lora_config, lora_layout, merge_lora, peft_config_dict
+from trainer.spec import LoraSpec
+from trainer.testing import random_samples, reference_logprobs
+
+
+def base():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(make_tiny("qwen3_moe"), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = apply_lora(base(), LoraSpec(rank=4, alpha=8.0), seed=0, init_lora_weights=False)
+    return m.eval()
+
+
+def test_targets_attention_and_fused_experts_but_not_router_or_norms(model):
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert len(trainable) == 4 * (4 + 2) * 2  # layers x (q, k, v, o, gate_up, down) x (A, B)
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if p.requires_grad)
+    assert not any(".gate." in n or "norm" in n for n in trainable)
+    cfg = lora_config(base(), LoraSpec(attention=False))
+    assert cfg.target_modules in (None, set()) and set(cfg.target_parameters) == {
+        "mlp.experts.gate_up_proj",
+        "mlp.experts.down_proj",
+    }
+
+
+def test_bad_targets_are_named():
+    with pytest.raises(ValueError, match="'gate' is a router; routers stay frozen"):
+        lora_config(base(), LoraSpec(extra=["gate"]))
+    with pytest.raises(ValueError, match="no module named 'w_in'"):
+        lora_config(base(), LoraSpec(extra=["w_in"]))
+    with pytest.raises(ValueError, match="dropout must be 0 with expert targets"):
+        lora_config(base(), LoraSpec(dropout=0.1))
+    with pytest.raises(ValueError, match="no target modules or parameters"):
+        lora_config(base(), LoraSpec(attention=False, experts=False))
+
+
+def test_exported_adapter_loads_with_peft_and_gives_the_same_log_probs(model, tmp_path):
+    write_adapter(
+        tmp_path / "a", get_peft_model_state_dict(model), peft_config_dict(model, str(make_tiny("qwen3_moe")))
+    )
+    loaded = PeftModel.from_pretrained(base(), tmp_path / "a").eval()
+    s = random_samples(1, seed=2)[0]
+    with torch.no_grad():
+        assert torch.equal(reference_logprobs(loaded, s, None), reference_logprobs(model, s, None))
+
+
+def test_merge_equals_peft_merge_in_checkpoint_names(model):
+    full = model.state_dict()
+    merged = hf_checkpoint_state_dict(model.base_model.model, merge_lora(full, lora_layout(model)))
+    ref = copy.deepcopy(model).merge_and_unload()
+    want = hf_checkpoint_state_dict(ref, ref.state_dict())
+    assert set(merged) == set(want) and "model.layers.3.mlp.experts.7.up_proj.weight" in merged
+    for k, v in want.items():
+        torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
+    # the merge changed the expert weights (B is random here)
+    assert not torch.equal(
+        merged["model.layers.0.mlp.experts.0.down_proj.weight"],
+        base().state_dict()["model.layers.0.mlp.experts.down_proj"][0],
+    )
+
+
+def test_mismatched_adapter_is_named(model, tmp_path):
+    expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}
+    good = {k: torch.zeros(s) for k, s in expected.items()}
+    check_adapter(expected, good, "x")  # a matching adapter passes
+    bad = dict(good)
+    bad.pop("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
+    bad["base_model.model.model.layers.0.mlp.gate.lora_A.weight"] = torch.zeros(4, 128)
+    bad["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"] = torch.zeros(64, 8)
+    with pytest.raises(ValueError) as e:
+        check_adapter(expected, bad, "adapter /x")
+    msg = str(e.value)
+    assert msg.startswith("adapter /x: the adapter does not match the model")
+    assert "missing 1 keys, e.g. ['base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight']" in msg
+    assert "1 unexpected keys, e.g. ['base_model.model.model.layers.0.mlp.gate.lora_A.weight']" in msg
+    assert "layers.1.self_attn.v_proj.lora_B.weight: shape (64, 8), the model has (64, 4)" in msg
+    with pytest.raises(
+        FileNotFoundError, match="is not a PEFT adapter directory: no adapter_model.safetensors"
+    ):
+        read_adapter(tmp_path)

@@ -1,0 +1,122 @@
+"""The trainer ranks as Ray actors, joined in one torch.distributed group; a batch is split across them by
+tokens and the results come back in the batch's order."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import ray
+import torch
+
+from rl.batch import Sample
+from trainer.batching import split_by_tokens
+from trainer.spec import TrainerSpec
+from trainer.worker import TrainerWorker
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TrainerGroup:
+    """num_ranks TrainerWorker actors (CPU: gloo, num_cpus=1 each; GPU: NCCL, num_gpus=1 each).
+
+    placement_group: bundles for the ranks (bundle r hosts rank r), e.g. to share GPUs with rollout.
+    master_addr: where rank 0 listens; the default (this node's IP) assumes rank 0 lands on this node,
+    which holds for a local cluster; pass rank 0's node address otherwise.
+    """
+
+    def __init__(
+        self,
+        spec: TrainerSpec,
+        num_ranks: int,
+        *,
+        use_gpu: bool = False,
+        placement_group=None,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+    ):
+        if num_ranks < 1:
+            raise ValueError(f"TrainerGroup: num_ranks must be >= 1, got {num_ranks}")
+        self.num_ranks = num_ranks
+        addr = master_addr or ray.util.get_node_ip_address()
+        port = master_port or free_port()
+        actor = ray.remote(TrainerWorker)
+        self.workers = []
+        for r in range(num_ranks):
+            opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
+            if placement_group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=r
+                )
+            self.workers.append(actor.options(**opts).remote(r, num_ranks, addr, port, spec))
+        # Constructors join the process group together; a failure in one surfaces here.
+        ray.get([w.__ray_ready__.remote() for w in self.workers])
+
+    def _split(self, samples: list[Sample]) -> list[list[int]]:
+        return split_by_tokens([s.num_tokens for s in samples], self.num_ranks)
+
+    def log_probs(self, samples: list[Sample]) -> tuple[list[np.ndarray], dict[str, float]]:
+        parts = self._split(samples)
+        results = ray.get(
+            [w.log_probs.remote([samples[i] for i in p], p) for w, p in zip(self.workers, parts)]
+        )
+        out: list[np.ndarray | None] = [None] * len(samples)
+        for p, (values, _) in zip(parts, results):
+            for i, v in zip(p, values):
+                out[i] = v
+        return out, results[0][1]
+
+    def train_step(
+        self, samples: list[Sample], advantages: list[float], old_logprobs: list[np.ndarray] | None = None
+    ) -> dict[str, float]:
+        if len(advantages) != len(samples):
+            raise ValueError(f"train_step: {len(advantages)} advantages for {len(samples)} samples")
+        parts = self._split(samples)
+        refs = [
+            w.train_step.remote(
+                [samples[i] for i in p],
+                [advantages[i] for i in p],
+                None if old_logprobs is None else [old_logprobs[i] for i in p],
+                p,
+            )
+            for w, p in zip(self.workers, parts)
+        ]
+        return ray.get(refs)[0]
+
+    def _on_all(self, method: str, *args):
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def export_adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
+        return self._on_all("export_adapter")[0]
+
+    def export_merged(self) -> dict[str, torch.Tensor]:
+        return self._on_all("export_merged")[0]
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        return self._on_all("gradients")[0]
+
+    def load_adapter(self, directory: str) -> None:
+        self._on_all("load_adapter", directory)
+
+    def save_checkpoint(self, directory: str) -> None:
+        self._on_all("save_checkpoint", directory)
+
+    def load_checkpoint(self, directory: str) -> int:
+        return self._on_all("load_checkpoint", directory)[0]
+
+    def shutdown(self) -> None:
+        """Idempotent."""
+        if not self.workers:
+            return
+        try:
+            self._on_all("shutdown")
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+            self.workers = []

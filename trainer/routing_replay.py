@@ -1,0 +1,126 @@
+"""Rollout routing replay (R3): every MoE layer routes each token to the experts the rollout engine chose.
+
+How: a forward hook on each router module (no change to transformers' code). The hook takes the router's
+own outputs, keeps its logits, and swaps in the replayed top-k ids; the routing weights are recomputed
+from the live logits gathered at those ids and normalised the way the model normally does, so gradients
+through the weights stay right. Rows without replay (the last token of a sample, which the rollout never
+routed, and padding) keep the live router's choice.
+
+One adapter function per router class (`ROUTER_ADAPTERS`) is the hook point for other MoE blocks.
+
+Replay ids for one forward are [N, L, k] long with N = batch * seq_len (the flattened rows every router
+sees), L = number of MoE layers in model order, plus valid [N] bool. Keep the context open through
+backward: activation checkpointing recomputes the routers there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# (router module, its output, ids [N, k] long, valid [N] bool) -> the output the MoE block will see
+RouterAdapter = Callable[[nn.Module, tuple, torch.Tensor, torch.Tensor], tuple]
+ROUTER_ADAPTERS: dict[type, RouterAdapter] = {}
+
+
+def register_router(cls: type) -> Callable[[RouterAdapter], RouterAdapter]:
+    def deco(fn: RouterAdapter) -> RouterAdapter:
+        ROUTER_ADAPTERS[cls] = fn
+        return fn
+
+    return deco
+
+
+def _register_qwen3_moe() -> None:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    @register_router(Qwen3MoeTopKRouter)
+    def _qwen3_moe(router, output, ids, valid):
+        # Mirrors Qwen3MoeTopKRouter.forward: softmax in fp32, top-k, optional renormalisation, cast back.
+        # tests/unit/test_trainer_routing_replay.py pins that replaying the live ids is bit-identical.
+        logits, _, live_ids = output
+        idx = torch.where(valid[:, None], ids, live_ids)
+        probs = F.softmax(logits, dtype=torch.float, dim=-1)
+        top = probs.gather(-1, idx)
+        if router.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+
+
+_register_qwen3_moe()
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The router modules in model order (= the L axis of `routed_experts`)."""
+    return [m for m in model.modules() if type(m) in ROUTER_ADAPTERS]
+
+
+class RoutingReplay:
+    """Hooks on every router of `model`; inactive (live routing) unless inside `active(...)`."""
+
+    def __init__(self, model: nn.Module):
+        self.routers = moe_routers(model)
+        if not self.routers:
+            raise ValueError(
+                f"routing replay: no known MoE router in {type(model).__name__}; known router classes: "
+                f"{sorted(c.__name__ for c in ROUTER_ADAPTERS)}"
+            )
+        first = self.routers[0]
+        self.num_experts = int(first.num_experts)
+        self.top_k = int(first.top_k)
+        self._ids: torch.Tensor | None = None
+        self._valid: torch.Tensor | None = None
+        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.routers)
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):
+            if self._ids is None:
+                return output
+            ids = self._ids[:, layer]
+            if ids.shape[0] != output[0].shape[0]:
+                raise RuntimeError(
+                    f"routing replay: layer {layer} routes {output[0].shape[0]} rows but the replay plan has "
+                    f"{ids.shape[0]}"
+                )
+            return ROUTER_ADAPTERS[type(module)](module, output, ids.to(output[2].device), self._valid)
+
+        return hook
+
+    @contextmanager
+    def active(self, ids: torch.Tensor, valid: torch.Tensor) -> Iterator[None]:
+        if ids.dim() != 3 or ids.shape[1:] != (self.num_layers, self.top_k) or valid.shape != ids.shape[:1]:
+            raise ValueError(
+                f"routing replay: ids must be [N, {self.num_layers}, {self.top_k}] with valid [N], got "
+                f"{tuple(ids.shape)} and {tuple(valid.shape)}"
+            )
+        self._ids, self._valid = ids.long(), valid.bool().to(ids.device)
+        try:
+            yield
+        finally:
+            self._ids = self._valid = None
+
+    def check(self, routed: np.ndarray, where: str) -> None:
+        """A rollout's `routed_experts` must match this model's MoE layers, top-k and expert count."""
+        if routed.ndim != 3 or routed.shape[1:] != (self.num_layers, self.top_k):
+            raise ValueError(
+                f"{where}: routed_experts has shape {tuple(routed.shape)}, expected [tokens - 1, "
+                f"{self.num_layers} MoE layers, top_k {self.top_k}]"
+            )
+        if routed.size and (int(routed.min()) < 0 or int(routed.max()) >= self.num_experts):
+            raise ValueError(
+                f"{where}: routed_experts holds expert ids {int(routed.min())}..{int(routed.max())}, but the "
+                f"model has {self.num_experts} experts (ids 0..{self.num_experts - 1})"
+            )
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

@@ -1,0 +1,71 @@
+"""What a trainer worker needs to know, as small dataclasses that cross Ray process boundaries.
+
+The driver fills these from the resolved config (`rl.config`); the trainer never reads the config tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rl.algo import AlgoConfig
+
+DTYPES = ("bfloat16", "float32")
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class LoraSpec:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    attention: bool = True  # q/k/v/o projections
+    experts: bool = True  # the fused routed experts (PEFT target_parameters)
+    latent: bool = False  # latent MoE pooler/unpooler (Muse; ignored by models that have none)
+    extra: list[str] = field(default_factory=list)  # more module names (last path component)
+    # PEFT's meaning: True = B starts at 0 (a no-op adapter); False = B random too (tests: gradients reach A)
+    init_lora_weights: bool = True
+
+
+@dataclass
+class OptimSpec:
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    total_steps: int = 100
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0  # cosine only: the final lr as a fraction of lr
+    grad_clip: float = 1.0  # 0 = measure the norm, do not clip
+
+
+@dataclass
+class TrainerSpec:
+    model_path: str
+    dtype: str = "bfloat16"  # compute dtype of the frozen base weights; LoRA weights are always fp32
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    micro_batch_size: int = 0  # samples per forward/backward (0 = no limit)
+    micro_batch_tokens: int = 0  # padded tokens per forward/backward (0 = no limit)
+    max_seq_len: int = 4096  # prompt + response; a longer sample is an error
+    r3: bool = True
+    activation_checkpointing: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TrainerSpec.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.optim.schedule not in SCHEDULES:
+            raise ValueError(
+                f"TrainerSpec.optim.schedule must be one of {SCHEDULES}, got {self.optim.schedule!r}"
+            )
+        if self.micro_batch_size < 0 or self.micro_batch_tokens < 0:
+            raise ValueError("TrainerSpec.micro_batch_size and micro_batch_tokens must be >= 0")
+        if self.max_seq_len < 2:
+            raise ValueError(f"TrainerSpec.max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.micro_batch_tokens and self.micro_batch_tokens < self.max_seq_len:
+            raise ValueError(
+                f"TrainerSpec.micro_batch_tokens ({self.micro_batch_tokens}) is below max_seq_len "
+                f"({self.max_seq_len}): the longest allowed sample would not fit in a micro-batch"
+            )

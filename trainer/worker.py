@@ -1,0 +1,480 @@
+"""One trainer rank: the LoRA policy under FSDP2, its optimizer, and the step (a Ray actor via
+`ray.remote(TrainerWorker)`; `trainer.group.TrainerGroup` drives a set of them).
+
+Every rank runs the same number of forward/backward passes (FSDP2's collectives must pair up): a rank with
+fewer micro-batches pads with empty ones whose loss is zero. Metrics returned by any rank are global
+(all-reduced), so the group reports rank 0's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from rl import algo
+from rl.batch import Sample
+from rl.compat import hf_checkpoint_state_dict
+from trainer import checkpoint_io, lora
+from trainer.batching import MicroBatch, check_lengths, make_micro_batch, pack_micro_batches
+from trainer.optim import make_optimizer
+from trainer.parallelize import parallelize
+from trainer.routing_replay import RoutingReplay, moe_routers
+from trainer.spec import TrainerSpec
+
+_CKPT_PREFIX = "_checkpoint_wrapped_module."
+
+
+@dataclass
+class _Prepared:
+    """One micro-batch with its loss inputs laid out on the logit window ([B, W] each)."""
+
+    mb: MicroBatch
+    dummy: bool
+    advantages: torch.Tensor | None = None
+    old_log_prob: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+    correction: dict[str, float] | None = None  # rollout_corr/* metrics, means over response tokens
+
+
+class TrainerWorker:
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, spec: TrainerSpec):
+        self.rank, self.world_size, self.spec = rank, world_size, spec
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            local = int(os.environ.get("LOCAL_RANK", 0))  # Ray sets CUDA_VISIBLE_DEVICES to one GPU
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+        else:
+            self.device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if use_cuda else "gloo",
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=rank,
+                world_size=world_size,
+            )
+        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        random.seed(spec.seed)
+        np.random.seed(spec.seed)
+        torch.manual_seed(spec.seed)
+
+        path = checkpoint_io.resolve_base_model(spec.model_path, rank == 0, dist.barrier)
+        dtype = getattr(torch, spec.dtype)
+        base = checkpoint_io.load_base_model(path, dtype)
+        self.hf_model = base  # the causal LM inside the PEFT wrapper: FSDP root
+        self.model = lora.apply_lora(base, spec.lora, spec.seed, spec.lora.init_lora_weights)
+        self.replay = RoutingReplay(base) if moe_routers(base) else None
+        self.pad_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0
+        parallelize(
+            base,
+            base.model.layers,
+            self.mesh,
+            compute_dtype=dtype,
+            activation_checkpointing=spec.activation_checkpointing,
+        )
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = make_optimizer(self.params, spec.optim)
+        self.step = 0
+
+    # ------------------------------------------------------------------------------------------------
+    # Batches.
+
+    def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def _agree(self, check) -> None:
+        """Runs check() (raises on bad input) on every rank; if any rank's check failed, every rank raises
+        that rank's error (a rank that went on alone would wait forever in the next collective)."""
+        message = None
+        try:
+            check()
+        except (ValueError, TypeError) as e:
+            message = str(e)
+        if self._all_reduce([message is not None], dist.ReduceOp.MAX)[0]:
+            messages = [None] * self.world_size
+            dist.all_gather_object(messages, message)
+            raise ValueError(next(m for m in messages if m is not None))
+
+    def _check_samples(self, samples: list[Sample], sample_ids: list[int] | None) -> None:
+        """sample_ids: the samples' positions in the whole batch, for error messages."""
+        ids = sample_ids if sample_ids is not None else list(range(len(samples)))
+        check_lengths(samples, self.spec.max_seq_len, ids)
+        if self.spec.r3 and self.replay is not None:
+            for i, s in zip(ids, samples):
+                if s.routed_experts is not None:
+                    self.replay.check(s.routed_experts, f"sample {i}")
+
+    def _micro_batches(self, samples: list[Sample]) -> list[tuple[MicroBatch, list[int], bool]]:
+        """(micro-batch, indices into samples, is_dummy), the same count on every rank. Inputs are
+        checked (collectively) by the caller."""
+        replay_shape = None
+        if self.spec.r3 and self.replay is not None:
+            replay_shape = (self.replay.num_layers, self.replay.top_k)
+        groups = pack_micro_batches(
+            [s.num_tokens for s in samples], self.spec.micro_batch_size, self.spec.micro_batch_tokens
+        )
+        count = int(self._all_reduce([len(groups)], dist.ReduceOp.MAX)[0])
+        if count == 0:
+            raise ValueError("trainer: the batch is empty on every rank")
+        out = [
+            (make_micro_batch([samples[i] for i in g], self.pad_id, replay_shape), g, False) for g in groups
+        ]
+        filler = Sample([self.pad_id], [self.pad_id], [0.0], "", 0, -1)
+        while len(out) < count:
+            out.append((make_micro_batch([filler], self.pad_id, None), [], True))
+        return out
+
+    def _routing(self, mb: MicroBatch):
+        if mb.routed is None or self.replay is None:
+            return nullcontext()
+        return self.replay.active(mb.routed.to(self.device), mb.routed_valid.to(self.device))
+
+    def _forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> log-probs of the targets [B, W] fp32 (with grad when enabled), entropy [B, W] or None."""
+        out = self.model(
+            input_ids=mb.input_ids.to(self.device),
+            attention_mask=mb.attention_mask.to(self.device),
+            logits_to_keep=mb.window,
+            use_cache=False,
+        )
+        logits = out.logits.float()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, mb.targets.to(self.device)[..., None]).squeeze(-1)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = algo.token_entropy(logits.detach())
+        return logp, entropy
+
+    def _replay_fraction(self, mbs) -> float:
+        rows = sum(mb.replayed_rows for mb, _, dummy in mbs if not dummy)
+        total = sum(mb.token_rows for mb, _, dummy in mbs if not dummy)
+        rows, total = self._all_reduce([rows, total])
+        return rows / total if total else 0.0
+
+    # ------------------------------------------------------------------------------------------------
+    # Log-probs and the step.
+
+    @torch.no_grad()
+    def log_probs(
+        self, samples: list[Sample], sample_ids: list[int] | None = None
+    ) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Per-sample response-token log-probs (float32, in the order of `samples`) and global metrics
+        {"r3/replayed_fraction", "actor/entropy"}. No dropout, no gradients. sample_ids: the samples'
+        positions in the whole batch (error messages name them)."""
+        self._agree(lambda: self._check_samples(samples, sample_ids))
+        self.model.eval()
+        mbs = self._micro_batches(samples)
+        result: list[np.ndarray | None] = [None] * len(samples)
+        ent_sum = ent_n = 0.0
+        for mb, idx, dummy in mbs:
+            with self._routing(mb):
+                logp, ent = self._forward(mb, with_entropy=True)
+            if dummy:
+                continue
+            for i, v in zip(idx, mb.gather(logp)):
+                result[i] = v
+            mask = mb.response_mask.to(self.device)
+            ent_sum += float(ent[mask].sum())
+            ent_n += float(mask.sum())
+        ent_sum, ent_n = self._all_reduce([ent_sum, ent_n])
+        metrics = {
+            "r3/replayed_fraction": self._replay_fraction(mbs),
+            "actor/entropy": ent_sum / ent_n if ent_n else 0.0,
+        }
+        return result, metrics
+
+    def _correction_on(self) -> bool:
+        a = self.spec.algo
+        return a.tis_cap is not None or a.mis_token_bounds is not None or a.mis_seq_bounds is not None
+
+    def _correction_keys(self) -> list[str]:
+        a, keys = self.spec.algo, []
+        if a.tis_cap is not None:
+            keys += ["rollout_corr/tis_capped_frac", "rollout_corr/tis_weight_mean"]
+        if a.mis_token_bounds is not None or a.mis_seq_bounds is not None:
+            keys.append("rollout_corr/mis_masked_frac")
+        return keys
+
+    def _prepare(self, mb, idx, dummy, samples, advantages, old_logprobs) -> _Prepared:
+        if dummy:
+            return _Prepared(mb, True, loss_mask=torch.zeros(mb.targets.shape, dtype=torch.bool))
+        p = _Prepared(
+            mb, False, advantages=mb.scatter([advantages[i] for i in idx]), loss_mask=mb.response_mask
+        )
+        if old_logprobs is not None:
+            p.old_log_prob = mb.scatter([old_logprobs[i] for i in idx])
+        if self._correction_on():
+            a = self.spec.algo
+            rollout = mb.scatter([samples[i].response_logprobs for i in idx])
+            p.is_weights, keep, p.correction = algo.rollout_correction(
+                p.old_log_prob, rollout, mb.response_mask, a.tis_cap, a.mis_token_bounds, a.mis_seq_bounds
+            )
+            p.loss_mask = keep.bool()
+        return p
+
+    def _check_step_inputs(self, samples, advantages, old_logprobs, sample_ids) -> None:
+        self._check_samples(samples, sample_ids)
+        if len(advantages) != len(samples):
+            raise ValueError(f"train_step: {len(advantages)} advantages for {len(samples)} samples")
+        if not np.isfinite(np.asarray(advantages, dtype=np.float64)).all():
+            raise ValueError("train_step: advantages has NaN/inf values")
+        if old_logprobs is not None:
+            if len(old_logprobs) != len(samples):
+                raise ValueError(f"train_step: {len(old_logprobs)} old_logprobs for {len(samples)} samples")
+            for i, (s, o) in enumerate(zip(samples, old_logprobs)):
+                if len(o) != len(s.response_ids):
+                    raise ValueError(
+                        f"train_step: old_logprobs[{i}] has {len(o)} values for {len(s.response_ids)} tokens"
+                    )
+
+    def train_step(
+        self,
+        samples: list[Sample],
+        advantages: list[float],
+        old_logprobs: list[np.ndarray] | None = None,
+        sample_ids: list[int] | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's shard of the batch. old_logprobs None = on-policy (the
+        current log-probs, detached, are the old ones; or computed first when TIS/MIS needs them)."""
+        t0 = time.perf_counter()
+        self._agree(lambda: self._check_step_inputs(samples, advantages, old_logprobs, sample_ids))
+        if old_logprobs is None and self._correction_on():
+            old_logprobs, _ = self.log_probs(samples)
+        a = self.spec.algo
+        self.model.train()
+        mbs = self._micro_batches(samples)
+        prepared = [self._prepare(mb, idx, d, samples, advantages, old_logprobs) for mb, idx, d in mbs]
+        counts = [algo.loss_normalisers(p.loss_mask) for p in prepared]
+        tokens, seqs = self._all_reduce([sum(c[0] for c in counts), sum(c[1] for c in counts)])
+        if tokens == 0:
+            raise ValueError("train_step: no response token to train on (every token masked out)")
+
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]
+        sums = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/entropy": 0.0}
+        for p in prepared:
+            with self._routing(p.mb):
+                logp, ent = self._forward(p.mb, with_entropy=not p.dummy)
+                if p.dummy:
+                    # Zero loss, but the backward runs: FSDP2's gradient reduction must happen on every rank.
+                    (logp.sum() * 0.0).backward()
+                    continue
+                old = p.old_log_prob.to(self.device) if p.old_log_prob is not None else logp.detach()
+                loss, m = algo.policy_loss(
+                    logp,
+                    old,
+                    p.advantages.to(self.device),
+                    p.loss_mask.to(self.device),
+                    loss_mode=a.loss_mode,
+                    clip_ratio_low=a.clip_ratio_low,
+                    clip_ratio_high=a.clip_ratio_high,
+                    clip_ratio_c=a.clip_ratio_c,
+                    loss_agg_mode=a.loss_agg_mode,
+                    global_num_tokens=int(tokens),
+                    global_num_seqs=int(seqs),
+                    loss_scale_factor=a.loss_scale_factor,
+                    is_weights=None if p.is_weights is None else p.is_weights.to(self.device),
+                    entropy=ent,
+                )
+                loss.backward()
+            n = float(p.loss_mask.sum())
+            sums["actor/pg_loss"] += m["actor/pg_loss"]  # already this micro-batch's share of the step
+            for k in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"):
+                sums[k] += m[k] * n  # micro-batch means -> token-weighted global means
+        # TIS/MIS metrics: token-weighted over the step; the key list is fixed by the config so that every
+        # rank all-reduces the same list.
+        corr_keys = self._correction_keys()
+        corr_tokens = 0.0
+        for p in prepared:
+            if p.correction is not None:
+                r = float(p.mb.response_mask.sum())
+                corr_tokens += r
+                for k in corr_keys:
+                    sums[k] = sums.get(k, 0.0) + p.correction.get(k, 0.0) * r
+        keys = list(sums.keys() | set(corr_keys))
+        keys.sort()
+        reduced = self._all_reduce([sums.get(k, 0.0) for k in keys] + [corr_tokens])
+        metrics = dict(zip(keys, reduced[:-1]))
+        for k in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"):
+            metrics[k] /= tokens
+        for k in corr_keys:
+            metrics[k] /= max(reduced[-1], 1.0)
+
+        grad_norm = self._clip_gradients()
+        skipped = not np.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        train_tokens = self._all_reduce([sum(mb.token_rows for mb, _, d in mbs if not d)])[0]
+        metrics.update(
+            {
+                "actor/grad_norm": grad_norm,
+                "actor/lr": lr,
+                "actor/skipped_step": float(skipped),
+                "r3/replayed_fraction": self._replay_fraction(mbs),
+                "perf/train_tokens": train_tokens,
+                "perf/train_s": time.perf_counter() - t0,
+            }
+        )
+        return metrics
+
+    def _clip_gradients(self) -> float:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # the shards' partial norms, reduced over ranks
+        if self.spec.optim.grad_clip > 0 and torch.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.spec.optim.grad_clip, norm)
+        return float(norm)
+
+    # ------------------------------------------------------------------------------------------------
+    # Export.
+
+    def _lora_fqns(self) -> dict[str, tuple[int, ...]]:
+        """Trainable parameter names as the state-dict API spells them (no wrapper prefixes), with the
+        full (unsharded) shapes."""
+        return {
+            n.replace(_CKPT_PREFIX, ""): tuple(p.shape)
+            for n, p in self.model.named_parameters()
+            if p.requires_grad
+        }
+
+    def _full_lora_state(self) -> dict[str, torch.Tensor]:
+        """LoRA weights gathered to rank 0 on CPU (others get {}); the base weights are never gathered."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        return get_model_state_dict(self.model, options=opts)
+
+    def export_adapter(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """PEFT adapter tensors (`get_peft_model_state_dict` key names, fp32, CPU) and adapter_config
+        contents, on rank 0; None on the other ranks."""
+        state = self._full_lora_state()
+        if self.rank != 0:
+            return None
+        return {lora.peft_key(k): v for k, v in state.items()}, lora.peft_config_dict(
+            self.model, self.spec.model_path
+        )
+
+    def gradients(self) -> dict[str, torch.Tensor] | None:
+        """Full gradients of the LoRA weights after the last train_step, PEFT key names (rank 0; tests)."""
+        out = {}
+        for (name, _), p in zip(self._lora_fqns().items(), self.params):
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            out[lora.peft_key(name)] = g.detach().cpu()
+        return out if self.rank == 0 else None
+
+    def export_merged(self) -> dict[str, torch.Tensor] | None:
+        """The base weights with the LoRA update merged, in the model's on-disk Hugging Face names and
+        dtype (rank 0; others None). Gathers the whole model on rank 0: for merged sync of small models."""
+        layout = lora.lora_layout(self.model)
+        full = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank != 0:
+            return None
+        return hf_checkpoint_state_dict(self.hf_model, lora.merge_lora(full, layout))
+
+    # ------------------------------------------------------------------------------------------------
+    # Checkpoints.
+
+    def load_adapter(self, directory: str) -> None:
+        """Loads a PEFT adapter written by `export_adapter`/`save_checkpoint` (same targets and rank)."""
+        tensors, _ = checkpoint_io.read_adapter(directory)
+        expected = {lora.peft_key(k): v for k, v in self._lora_fqns().items()}
+        lora.check_adapter(expected, tensors, f"adapter {directory}")
+        by_peft = {lora.peft_key(k): k for k in self._lora_fqns()}
+        state = {by_peft[k]: v.float() for k, v in tensors.items()}
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Adapter (PEFT format), optimizer, scheduler, step, and every rank's RNG, written into a
+        temporary sibling and renamed into place once complete. Needs a filesystem all ranks share."""
+        dst = Path(directory)
+        holder = [None]
+        if self.rank == 0:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            holder[0] = tempfile.mkdtemp(prefix=dst.name + ".tmp-", dir=dst.parent)
+        dist.broadcast_object_list(holder, src=0)
+        tmp = Path(holder[0])
+        checkpoint_io.atomic_torch_save(_rng_state(), tmp / f"rng_rank{self.rank}.pt")
+        adapter = self.export_adapter()
+        optim = get_optimizer_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank == 0:
+            checkpoint_io.write_adapter(tmp, *adapter)
+            checkpoint_io.atomic_torch_save(optim, tmp / "optimizer.pt")
+            checkpoint_io.atomic_torch_save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            checkpoint_io.atomic_write_json(
+                {"step": self.step, "world_size": self.world_size}, tmp / "trainer_state.json"
+            )
+        dist.barrier()
+        if self.rank == 0:
+            checkpoint_io.replace_dir(tmp, dst)
+        dist.barrier()
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Restores what save_checkpoint wrote; returns the step. RNG needs the same world size."""
+        d = Path(directory)
+        state = json.loads((d / "trainer_state.json").read_text())
+        self.load_adapter(str(d))
+        optim = torch.load(d / "optimizer.pt", weights_only=True)
+        set_optimizer_state_dict(
+            self.model, self.optimizer, optim, options=StateDictOptions(full_state_dict=True, strict=False)
+        )
+        self.scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
+        self.step = int(state["step"])
+        rng = d / f"rng_rank{self.rank}.pt"
+        if state["world_size"] == self.world_size and rng.exists():
+            _set_rng_state(torch.load(rng, weights_only=True))
+        return self.step
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _rng_state() -> dict:
+    """Every generator's state in types torch.load(weights_only=True) accepts (numpy's key array as a
+    tensor)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
