@@ -76,6 +76,14 @@ def print_summary(s: dict) -> None:
     print("\n".join(lines))
 
 
+def _dequantize(args: argparse.Namespace) -> int:
+    from trainer.checkpoint_io import dequantize_checkpoint
+
+    out = dequantize_checkpoint(args.src, args.dst)
+    print(f"dequantize: BF16 checkpoint at {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparkrl", description="LoRA GRPO post-training of MoE models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -93,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft", choices=["arith"], default=None,
                    help="fine-tune on noisy arithmetic so held-out accuracy lands in 0.3-0.6 (cached)")
     p.set_defaults(func=_make_tiny)
+
+    p = sub.add_parser("dequantize", help="write the BF16 twin of an NVFP4 compressed-tensors checkpoint")
+    p.add_argument("src", help="NVFP4 checkpoint directory")
+    p.add_argument("dst", help="output directory (must not exist)")
+    p.set_defaults(func=_dequantize)
 
     from rl import report
 
