@@ -321,8 +321,8 @@ def mismatch_metrics(trainer_logp: list[np.ndarray], samples: list[Sample]) -> d
     mask = torch.zeros_like(t)
     for i, (lp, s) in enumerate(zip(trainer_logp, samples)):
         n = len(s.response_ids)
-        t[i, :n] = torch.as_tensor(lp, dtype=torch.float64)
-        r[i, :n] = torch.as_tensor(s.response_logprobs, dtype=torch.float64)
+        t[i, :n] = torch.from_numpy(np.array(lp, dtype=np.float64))
+        r[i, :n] = torch.from_numpy(np.array(s.response_logprobs, dtype=np.float64))
         mask[i, :n] = 1
     return {k: float(v) for k, v in algo.rollout_mismatch_metrics(t, r, mask).items()}
 

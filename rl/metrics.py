@@ -21,7 +21,6 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
 
 # Shown in the console table, in this order, when present.
 CONSOLE_KEYS = (
@@ -96,20 +95,17 @@ class MetricsLogger:
                            for k in ("reward/mean", "rollout_corr/k3_kl") if k in numeric)
         self._progress.update(self._task, completed=step, status=status)
         if step % self.console_every == 0:
-            self.console.print(self.table(step, numeric))
+            self.console.print(self.line(step, numeric), highlight=False, soft_wrap=True)
 
     def event(self, text: str) -> None:
         """A one-line notice (eval results, checkpoints, warnings) above the progress bar."""
         self.console.print(text)
 
     @staticmethod
-    def table(step: int, metrics: dict[str, float]) -> Table:
-        table = Table(title=f"step {step}", title_justify="left", show_header=True, box=None, pad_edge=False)
+    def line(step: int, metrics: dict[str, float]) -> str:
+        """`step 12 | reward/mean 0.31 | acc/mean 0.62 | ...`: the console keys, then the eval results."""
         keys = [k for k in CONSOLE_KEYS if k in metrics] + sorted(k for k in metrics if k.startswith("val-core/"))
-        for k in keys:
-            table.add_column(k, justify="right")
-        table.add_row(*(f"{metrics[k]:.4g}" for k in keys))
-        return table
+        return f"step {step} | " + " | ".join(f"{k.removeprefix('val-core/')} {metrics[k]:.4g}" for k in keys)
 
     def close(self) -> None:
         self._progress.stop()

@@ -111,6 +111,7 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
     from rl.reward import RewardPool
     from rollout.pool import RolloutPool
     from rollout.spec import engine_spec_from_config
+    from rollout.staging import default_stage_root
     from trainer.group import TrainerGroup
 
     model_path, rollout_path = resolve_model_paths(cfg)
@@ -120,7 +121,7 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
                     if cfg.eval.data and cfg.eval.every >= 0 else [])
     init_ray(cfg)
     rollout = RolloutPool(engine_spec_from_config(cfg, rollout_path), cfg.rollout.num_workers,
-                          stage_dir=str(run_dir / ".adapters"))
+                          stage_dir=str(default_stage_root(cfg.run.name)))
     spec = trainer_spec(cfg, model_path)
     trainer = TrainerGroup(spec, cfg.trainer.num_ranks, use_gpu=cfg.resources.num_gpus > 0)
     reward = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from rl.batch import Sample
 from rollout.adapter_layout import (
@@ -97,6 +98,11 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo) -> dict:
     )
     if spec.max_model_len:
         kw["max_model_len"] = spec.max_model_len
+    if not torch.cuda.is_available():
+        # vLLM's CPU runner rewinds a seeded request's generator after a partial (chunked) prefill with
+        # Generator.set_offset, which CPU generators do not have ("CPU Generator does not use offset"):
+        # a batch of seeded requests larger than the token budget kills the engine. Whole prefills only.
+        kw["enable_chunked_prefill"] = False
     if spec.enable_lora:
         rank = next((r for r in VLLM_LORA_RANKS if r >= spec.max_lora_rank), None)
         if rank is None:

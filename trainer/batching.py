@@ -80,7 +80,7 @@ class MicroBatch:
         """Per-sample response values (arrays of response length, or scalars) -> [B, W], 0 elsewhere."""
         out = torch.zeros(self.targets.shape, dtype=dtype)
         for b, (v, s, n) in enumerate(zip(per_sample, self.starts, self.response_lens)):
-            out[b, s : s + n] = torch.as_tensor(np.asarray(v, dtype=np.float32), dtype=dtype)
+            out[b, s : s + n] = torch.from_numpy(np.array(v, dtype=np.float32)).to(dtype)
         return out
 
     def gather(self, x: torch.Tensor) -> list[np.ndarray]:

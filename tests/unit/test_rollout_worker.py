@@ -10,6 +10,7 @@ import inspect
 
 import numpy as np
 import pytest
+import torch
 
 from rollout.spec import EngineSpec, SamplingSpec
 from rollout.worker import (
@@ -64,6 +65,8 @@ def test_engine_settings_pass_through():
                       max_lora_rank=12, return_routed_experts=True, enable_sleep_mode=True,
                       enable_prefix_caching=False, extra_engine_args={"swap_space": 1})
     kw = engine_kwargs(spec, MOE)
+    # CPU generators cannot rewind after a chunked prefill (see engine_kwargs): whole prefills there.
+    assert kw.pop("enable_chunked_prefill", None) is (False if not torch.cuda.is_available() else None)
     assert kw == dict(
         model="/m", dtype="float32", seed=9, gpu_memory_utilization=0.3, enforce_eager=True, max_num_seqs=7,
         tensor_parallel_size=2, enable_prefix_caching=False, trust_remote_code=False,
