@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_train)
 
     p = sub.add_parser("make-tiny", help="build a small test model (tokenizer trained locally, no hub access)")
-    p.add_argument("--arch", required=True, choices=["dense", "qwen3_moe"])
+    p.add_argument("--arch", required=True, choices=["dense", "qwen3_moe", "muse"])
     p.add_argument("--out", required=True, help="directory to write the Hugging Face model to")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft", choices=["arith"], default=None,
@@ -107,9 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="output directory (must not exist)")
     p.set_defaults(func=_dequantize)
 
-    from rl import report
+    from rl import quantize, report
 
     report.register(sub)
+    quantize.register(sub)
     return parser
 
 

@@ -52,6 +52,8 @@ def resolve_base_model(path: str, is_writer: bool, barrier: Callable[[], None]) 
 def load_base_model(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
+    import rl.models.muse  # noqa: F401 - registers Muse Spark with the Auto classes before loading
+
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 

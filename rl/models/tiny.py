@@ -22,7 +22,7 @@ import torch
 from rl.data.arith import ArithSpec, make_rows, sft_response
 from rl.paths import cache_dir
 
-ARCHES = ("dense", "qwen3_moe")
+ARCHES = ("dense", "qwen3_moe", "muse")
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 EOS_TOKEN = "<|end|>"
 PAD_TOKEN = "<|pad|>"
@@ -64,6 +64,20 @@ def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int):
             num_experts_per_tok=2,
             norm_topk_prob=True,
             **common,
+        )
+    if arch == "muse":
+        from rl.models.muse import MuseSparkConfig  # importing registers it with the Auto classes
+
+        # 8 layers so the 3-sliding-then-1-full cycle shows (full: layers 3 and 7); a 16-token window so
+        # sliding attention changes prompts the tests use.
+        return MuseSparkConfig(
+            head_dim=32,
+            moe_latent_size=64,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            **{**common, "num_hidden_layers": 8},
         )
     raise ValueError(f"make-tiny: --arch must be one of {', '.join(ARCHES)}, got {arch!r}")
 
@@ -127,6 +141,9 @@ def cache_key(arch: str, seed: int, sft: str | None) -> str:
     h.update(json.dumps([arch, seed, sft, transformers.__version__, torch.__version__]).encode())
     for module in (__file__, tiny_sft.__file__, make_rows.__code__.co_filename):
         h.update(Path(module).read_bytes())
+    if arch == "muse":  # the model's own code is part of what make-tiny builds
+        for module in sorted((Path(__file__).parent / "muse").glob("*.py")):
+            h.update(module.read_bytes())
     return h.hexdigest()[:16]
 
 

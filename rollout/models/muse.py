@@ -75,17 +75,28 @@ class MuseSparkAttention(nn.Module):
         hidden = config.hidden_size
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, self.total_num_heads, self.total_num_kv_heads, bias=bias,
-            quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+            hidden,
+            self.head_dim,
+            self.total_num_heads,
+            self.total_num_kv_heads,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
-            self.total_num_heads * self.head_dim, hidden, bias=bias, quant_config=quant_config,
+            self.total_num_heads * self.head_dim,
+            hidden,
+            bias=bias,
+            quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
         )
         # Column-parallel over heads: each rank gets the gates of its own heads.
         gate_per_head = 1 if config.head_gate == "headwise" else self.head_dim
         self.g_proj = ColumnParallelLinear(
-            hidden, self.total_num_heads * gate_per_head, bias=False, quant_config=quant_config,
+            hidden,
+            self.total_num_heads * gate_per_head,
+            bias=False,
+            quant_config=quant_config,
             prefix=f"{prefix}.g_proj",
         )
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -115,7 +126,9 @@ class MuseSparkAttention(nn.Module):
         q, k = self.rotary_emb(positions, self._per_head(q, self.q_norm), self._per_head(k, self.k_norm))
         out = self._per_head(self.attn(q, k, v), self.o_norm)
         gate, _ = self.g_proj(hidden_states)
-        out = out.view(-1, self.num_heads, self.head_dim) * torch.sigmoid(gate).view(-1, self.num_heads, gate.shape[-1] // self.num_heads)
+        out = out.view(-1, self.num_heads, self.head_dim) * torch.sigmoid(gate).view(
+            -1, self.num_heads, gate.shape[-1] // self.num_heads
+        )
         out, _ = self.o_proj(out.view(-1, self.q_size))
         return out
 
@@ -127,10 +140,16 @@ class MuseSparkLatentMoE(nn.Module):
             raise ValueError(f"tensor parallel size exceeds the {config.num_experts} experts")
         self.n_routed_experts = config.num_experts
         # The router stays in high precision (NVFP4 checkpoints ignore `mlp.gate`) and reads the full width.
-        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, quant_config=None,
-                                     prefix=f"{prefix}.gate")
-        self.pooler = ReplicatedLinear(config.hidden_size, config.moe_latent_size, bias=False,
-                                       quant_config=quant_config, prefix=f"{prefix}.pooler")
+        self.gate = ReplicatedLinear(
+            config.hidden_size, config.num_experts, bias=False, quant_config=None, prefix=f"{prefix}.gate"
+        )
+        self.pooler = ReplicatedLinear(
+            config.hidden_size,
+            config.moe_latent_size,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.pooler",
+        )
         # No `gate=` here: we hand the experts router logits computed from the full-width token while they
         # run on the pooled one. vLLM's router inside still does softmax + top-k (+ renormalise), and that
         # router is where the routed-experts capture hooks in.
@@ -143,8 +162,13 @@ class MuseSparkLatentMoE(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.experts",
         )
-        self.unpooler = ReplicatedLinear(config.moe_latent_size, config.hidden_size, bias=False,
-                                         quant_config=quant_config, prefix=f"{prefix}.unpooler")
+        self.unpooler = ReplicatedLinear(
+            config.moe_latent_size,
+            config.hidden_size,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.unpooler",
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         router_logits, _ = self.gate(hidden_states)
@@ -161,7 +185,11 @@ class MuseSparkDecoderLayer(nn.Module):
         config = vllm_config.model_config.hf_text_config
         layer_idx = extract_layer_index(prefix)
         self.self_attn = MuseSparkAttention(
-            config, layer_idx, vllm_config.cache_config, vllm_config.quant_config, prefix=f"{prefix}.self_attn"
+            config,
+            layer_idx,
+            vllm_config.cache_config,
+            vllm_config.quant_config,
+            prefix=f"{prefix}.self_attn",
         )
         self.mlp = MuseSparkLatentMoE(config, vllm_config.quant_config, prefix=f"{prefix}.mlp")
         h, eps = config.hidden_size, config.rms_norm_eps
@@ -189,7 +217,11 @@ class MuseSparkDecoderLayer(nn.Module):
 @support_torch_compile
 class MuseSparkModel(nn.Module):
     hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_stacked={".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v")}
+        orig_to_new_stacked={
+            ".q_proj": (".qkv_proj", "q"),
+            ".k_proj": (".qkv_proj", "k"),
+            ".v_proj": (".qkv_proj", "v"),
+        }
     )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -198,7 +230,9 @@ class MuseSparkModel(nn.Module):
         self.config = config
         self.vocab_size = config.vocab_size
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
+            config.vocab_size,
+            config.hidden_size,
+            quant_config=vllm_config.quant_config,
             prefix=f"{prefix}.embed_tokens",
         )
         self.start_layer, self.end_layer, self.layers = make_layers(
@@ -252,7 +286,9 @@ class MuseSparkForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
         self.quant_config = vllm_config.quant_config
         self.model = MuseSparkModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, quant_config=self.quant_config,
+            config.vocab_size,
+            config.hidden_size,
+            quant_config=self.quant_config,
             prefix=maybe_prefix(prefix, "lm_head"),
         )
         if config.tie_word_embeddings:
@@ -293,5 +329,7 @@ class MuseSparkForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
 
         loaded = AutoWeightsLoader(self).load_weights(text_only(weights))
         if skipped:
-            logger.info("Muse Spark: text-only rollout model; skipped %d vision/audio encoder weights", skipped)
+            logger.info(
+                "Muse Spark: text-only rollout model; skipped %d vision/audio encoder weights", skipped
+            )
         return loaded

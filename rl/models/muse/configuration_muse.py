@@ -85,7 +85,9 @@ class MuseSparkConfig(PreTrainedConfig):
                 f"{FULL!r}, got {self.layer_types}"
             )
         if self.head_gate not in ("headwise", "elementwise"):
-            raise ValueError(f"MuseSparkConfig: head_gate must be 'headwise' or 'elementwise', got {self.head_gate!r}")
+            raise ValueError(
+                f"MuseSparkConfig: head_gate must be 'headwise' or 'elementwise', got {self.head_gate!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("MuseSparkConfig: num_attention_heads must be a multiple of num_key_value_heads")
 

@@ -1,0 +1,71 @@
+"""`sparkrl quantize SRC DST --scheme nvfp4`: a Hugging Face checkpoint -> its weight-only NVFP4 twin.
+
+The format and the math are trainer/nvfp4.py's (compressed-tensors "nvfp4-pack-quantized", group 16, the
+model-free shard-by-shard pathway): every 2D Linear weight is quantized; the routers (`mlp.gate`), norms,
+embeddings and lm_head stay in their original precision. Per architecture, a few more Linear layers stay
+unquantized (`EXTRA_IGNORE`), named in the checkpoint's `ignore` list so vLLM builds them unquantized too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+SCHEMES = ("nvfp4",)
+
+# model_type -> compressed-tensors ignore patterns added to the default ones.
+# Muse's attention head gate (`g_proj`) has one output a head (96, or 4 in the tiny model): too few rows
+# for the FP4 GEMM tiles (Marlin works in multiples of 64), and at 0.8M weights a layer nothing to save.
+EXTRA_IGNORE: dict[str, list[str]] = {"muse_spark": ["re:.*self_attn.g_proj$"]}
+
+
+def _quantizer(model_type: str | None):
+    from trainer.nvfp4 import IGNORE, _NVFP4Quantizer
+
+    extra = EXTRA_IGNORE.get(model_type or "", [])
+    if not extra:
+        return _NVFP4Quantizer()
+
+    class _Quantizer(_NVFP4Quantizer):
+        def _targeted(self, name, t):
+            module = name.rpartition(".")[0]
+            return super()._targeted(name, t) and not any(self._match(module, ign) for ign in extra)
+
+        def create_config(self):
+            config = super().create_config()
+            config.ignore = list(IGNORE) + extra
+            return config
+
+    return _Quantizer()
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, scheme: str = "nvfp4") -> Path:
+    """Writes the quantized checkpoint (config, tokenizer and all other files copied) to `dst`."""
+    from trainer.nvfp4 import _convert_atomically
+
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantize: --scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    config = Path(src) / "config.json"
+    if not config.exists():
+        raise FileNotFoundError(f"quantize: {src} is not a model directory (no config.json)")
+    model_type = json.loads(config.read_text()).get("model_type")
+    return _convert_atomically(src, dst, _quantizer(model_type))
+
+
+def _run(args: argparse.Namespace) -> int:
+    path = quantize(args.src, args.dst, scheme=args.scheme)
+    print(f"quantize: {args.src} -> {path} ({args.scheme}, weight-only)")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Adds `quantize SRC DST --scheme nvfp4` to the `sparkrl` command's subparsers."""
+    p = subparsers.add_parser(
+        "quantize", help="write a weight-only NVFP4 (compressed-tensors) copy of a checkpoint"
+    )
+    p.add_argument("src", help="Hugging Face model directory")
+    p.add_argument("dst", help="directory to write the quantized model to (must not exist)")
+    p.add_argument("--scheme", choices=SCHEMES, default="nvfp4")
+    p.set_defaults(func=_run)
