@@ -107,9 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="output directory (must not exist)")
     p.set_defaults(func=_dequantize)
 
-    from rl import quantize, report
+    from rl import plan, quantize, report, submit, sweep
 
     report.register(sub)
+    submit.register(sub)
+    sweep.register(sub)
+    plan.register(sub)
     quantize.register(sub)
     return parser
 

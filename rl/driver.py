@@ -113,8 +113,8 @@ class Run:
         advantages = algo.compute_advantages(rewards, groups, estimator=self.adv_estimator)
         t_train = time.perf_counter()
         train_metrics = self.trainer.train_step(samples, advantages.tolist(), old_logp)
-        metrics.update(train_metrics)
         self._count_skips(step, train_metrics)
+        metrics.update(train_metrics)
         t_sync = time.perf_counter()
 
         # 6. Send the new policy to the rollout workers.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 from rich.console import Console
@@ -62,8 +63,10 @@ class MetricsLogger:
         if wandb_project:
             import wandb  # optional: only when configured
 
+            # W&B ids allow letters, digits, '-', '_' and '.': sweep run names hold '/', '=' and ','.
+            run_id = re.sub(r"[^\w.-]", "_", run_name) or None
             self._wandb = wandb.init(project=wandb_project, entity=wandb_entity or None, name=run_name,
-                                     config=config, resume="allow", id=run_name or None)
+                                     config=config, resume="allow", id=run_id)
         self._progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
             TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),

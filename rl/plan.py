@@ -1,0 +1,711 @@
+"""`sparkrl plan RECIPE [key=value ...]`: memory per GPU for the rollout engines and the trainer, before
+anything is submitted; whether it fits, and what to change when it does not.
+
+    cfg = load_config("recipes/qwen3_30b_a3b_dapo_lora.yaml")
+    p = make_plan(cfg)                 # Plan: every figure in bytes, with the model facts it used
+    print(format_plan(p))
+
+Model facts come from a local `config.json` (model.path, else model.rollout_path, else the Hugging Face
+cache), from `make-tiny`'s own config, or from the built-in table (Muse Spark Open, Qwen3-30B-A3B).
+
+The model (figures per GPU; GiB = 2**30 bytes):
+- Rollout (one vLLM engine over rollout.tensor_parallel_size GPUs): weights in their stored format
+  (NVFP4 = 0.5 byte a parameter + one FP8 scale per 16, routers/embeddings/output in BF16), divided over
+  TP; one LoRA slot at vLLM's rank (lora.rank rounded up to vLLM's sizes) in the model dtype, A whole and
+  B split for column-parallel layers (q/k/v, gate/up, pooler), A split and B whole for row-parallel ones
+  (o, down, unpooler); activations of a 16,384-token batch; 1 GiB runtime (+1 GiB of CUDA graphs). The
+  KV cache gets what is left of gpu_memory_utilization x GPU: 2 x KV heads on the GPU x head_dim x dtype
+  bytes a token a layer, with sliding-window layers holding min(context, window) tokens.
+- Trainer (FSDP2 over trainer.num_ranks): base weights in model.dtype sharded over the ranks; LoRA
+  parameters, gradients and AdamW moments in trainer.dtype, sharded (experts as the trainer holds them:
+  gate_up fused, one A for both); two decoder layers gathered at once (the one computing and the next,
+  prefetched) plus the embeddings and output; activations of one micro-batch (each layer's input kept under
+  activation checkpointing, one layer's working set, the response logits in bf16 plus their fp32 copy and
+  log-softmax); 1 GiB runtime.
+- Colocated placement: the trainer's sharded state stays resident while vLLM runs within its fraction of
+  the GPU; vLLM sleeps (weights to host, KV dropped) while the trainer runs, keeping its runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 2**30
+H200_GIB = 140.0  # nvidia-smi: 143,771 MiB
+NVFP4_BYTES = 0.5 + 1 / 16  # FP4 values plus one FP8 scale per 16 (the per-tensor global scale is negligible)
+# vLLM accepts only these LoRA ranks as max_lora_rank (rollout/worker.py VLLM_LORA_RANKS, from vLLM's config).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_BATCHED_TOKENS = 16384  # vLLM's max_num_batched_tokens for the LLM class on a large GPU
+RUNTIME_BYTES = 1 * GiB  # CUDA context, allocator slack, NCCL buffers: per process on a GPU
+CUDA_GRAPH_BYTES = 1 * GiB
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+LONG_CONTEXT = 1_048_576  # shown beside the recipe's context for models with sliding-window layers
+QUANTIZED_GROUPS = ("attention", "experts", "latent", "shared_experts", "dense_mlp")  # Linear layers
+
+
+@dataclass
+class ModelShape:
+    """What the planner needs to know about a model. `params`: parameter count per group (attention,
+    experts, router, latent, shared_experts, dense_mlp, embeddings, norms); computed from the shape unless
+    given (the built-in Muse facts)."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    num_experts: int = 0  # 0: a dense model
+    top_k: int = 0
+    expert_inter: int = 0
+    dense_inter: int = 0
+    num_dense_layers: int = 0  # layers with a dense MLP (all of them in a dense model)
+    shared_expert_inter: int = 0
+    latent: int = 0  # latent MoE width: experts work at this width (Muse)
+    head_gate: int = 0  # outputs of the per-layer attention gate projection (Muse: one a head)
+    window: int = 0
+    window_layers: int = 0
+    max_context: int = 0
+    tie_embeddings: bool = False
+    quantization: str | None = None  # of the checkpoint the facts came from: "nvfp4", another, or None
+    params: dict[str, float] = field(default_factory=dict)
+    source: str = ""
+    assumptions: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.params:
+            self.params = self._count()
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers if self.num_experts else 0
+
+    @property
+    def expert_width(self) -> int:
+        return self.latent or self.hidden
+
+    def _count(self) -> dict[str, float]:
+        h, L, d = self.hidden, self.num_layers, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        out = {
+            "attention": L * (2 * h * q + 2 * h * kv + h * self.head_gate),
+            "experts": self.moe_layers * self.num_experts * 3 * self.expert_width * self.expert_inter,
+            "router": self.moe_layers * h * self.num_experts,
+            "latent": self.moe_layers * 2 * h * self.latent,
+            "shared_experts": self.moe_layers * 3 * h * self.shared_expert_inter,
+            "dense_mlp": self.num_dense_layers * 3 * h * self.dense_inter,
+            "embeddings": self.vocab * h * (1 if self.tie_embeddings else 2),
+            "norms": L * (2 * h + 2 * d) + h,
+        }
+        return {k: v for k, v in out.items() if v}
+
+    @property
+    def total_params(self) -> float:
+        return sum(self.params.values())
+
+    def largest_layer_params(self) -> float:
+        """Parameters of the largest decoder layer (what FSDP2 gathers at once)."""
+        p, L = self.params, self.num_layers
+        shared = (p.get("attention", 0) + p.get("norms", 0)) / L
+        moe = sum(p.get(k, 0) for k in ("experts", "router", "latent", "shared_experts"))
+        moe = moe / self.moe_layers if self.moe_layers else 0
+        dense = p.get("dense_mlp", 0) / self.num_dense_layers if self.num_dense_layers else 0
+        return shared + max(moe, dense)
+
+    def layer_tokens(self, context: int) -> int:
+        """KV entries one sequence of `context` tokens holds, summed over the layers."""
+        full = self.num_layers - self.window_layers
+        return self.window_layers * min(context, self.window) + full * context
+
+    def kv_ratio(self, context: int) -> float:
+        """KV cache of a `context`-token sequence relative to every layer attending to all of it."""
+        return self.layer_tokens(context) / (self.num_layers * context)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model facts
+# ----------------------------------------------------------------------------------------------------
+
+
+def muse_spark_open() -> ModelShape:
+    """Muse Spark Open from the design doc. Its weight totals are given; head counts, routing top-k, vocab
+    and the longest context are not: the values below are assumptions that agree with the totals, the same
+    as the defaults of rl/models/muse/configuration_muse.py (a test keeps the two in step)."""
+    hidden, layers, attention = 8192, 62, 13.5e9
+    heads, kv_heads, head_dim, vocab = 96, 8, 128, 201_088
+    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o + k, v
+    return ModelShape(
+        name="Muse Spark Open", num_layers=layers, hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, vocab=vocab, num_experts=256, top_k=8, expert_inter=4096, latent=4096,
+        head_gate=heads, window=2048, window_layers=46, max_context=LONG_CONTEXT,
+        params={"experts": 799e9, "attention": attention, "latent": 4.2e9, "embeddings": 3.3e9},
+        source="built-in facts from the design doc; the vision tower and audio encoder are not trained and "
+               "left out",
+        assumptions=[
+            f"{heads} query heads, {kv_heads} KV heads, head_dim {head_dim}: q/k/v/o come to "
+            f"{layers * per_layer / 1e9:.2f}B, matching attention {attention / 1e9}B",
+            "expert intermediate width 4096 (799B / (62 layers x 256 experts x 3 x 4096 x 4096) = 1.00)",
+            "top-8 routing",
+            f"vocab {vocab:,} (3.3B embedding + output parameters ~ 2 x 8192 x vocab)",
+            f"longest context {LONG_CONTEXT:,} tokens",
+        ],
+    )
+
+
+# Qwen/Qwen3-30B-A3B's config.json (the fields the planner reads), for planning without a download.
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "vocab_size": 151936, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+    "use_sliding_window": False, "sliding_window": None,
+}
+
+
+def quantization_kind(quant) -> str | None:
+    """'nvfp4' for an NVFP4 compressed-tensors config, else its quant_method, or None."""
+    if not quant:
+        return None
+    formats = [quant.get("format")] + [g.get("format") for g in (quant.get("config_groups") or {}).values()
+                                       if isinstance(g, dict)]
+    if any(f and "nvfp4" in str(f) for f in formats):
+        return "nvfp4"
+    return quant.get("quant_method", "unknown")
+
+
+def shape_from_hf(config: dict, name: str, source: str) -> ModelShape:
+    """A ModelShape from a Hugging Face config.json (Qwen3-MoE, Mixtral, DeepSeek-style and dense models)."""
+    c = config.get("text_config") or config
+    try:
+        layers, hidden, heads = c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"]
+        vocab = c["vocab_size"]
+    except KeyError as e:
+        raise ValueError(f"{source}: config.json has no {e.args[0]}; cannot plan for this model") from None
+    experts = next((c[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if c.get(k)), 0)
+    dense = set()
+    if experts:
+        dense |= set(c.get("mlp_only_layers") or [])
+        step = c.get("decoder_sparse_step") or 1
+        dense |= {i for i in range(layers) if (i + 1) % step}
+        dense |= set(range(c.get("first_k_dense_replace") or 0))
+    shared = c.get("shared_expert_intermediate_size") or (c.get("n_shared_experts") or 0) * (
+        c.get("moe_intermediate_size") or 0)
+    types = c.get("layer_types") or []
+    window = c.get("sliding_window") or 0
+    if types:
+        window_layers = sum(t == "sliding_attention" for t in types)
+    elif window and c.get("use_sliding_window", True):
+        window_layers = layers  # Mistral-style: every layer
+    else:
+        window_layers = 0
+    if not window_layers:
+        window = 0
+    return ModelShape(
+        name=name, num_layers=layers, hidden=hidden, num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or hidden // heads,
+        vocab=vocab, num_experts=experts, top_k=c.get("num_experts_per_tok") or 0,
+        expert_inter=(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0) if experts else 0,
+        dense_inter=c.get("intermediate_size") or 0, num_dense_layers=len(dense) if experts else layers,
+        shared_expert_inter=shared, window=window, window_layers=window_layers,
+        latent=c.get("moe_latent_size") or 0,  # Muse: experts work at the pooled width
+        head_gate={"headwise": heads, "elementwise": heads * (c.get("head_dim") or hidden // heads)}.get(
+            c.get("head_gate"), 0),
+        max_context=c.get("max_position_embeddings") or 0,
+        # transformers' default when the key is absent
+        tie_embeddings=bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", True))),
+        quantization=quantization_kind(config.get("quantization_config") or c.get("quantization_config")),
+        source=source,
+    )
+
+
+def _local_config(path: str) -> Path | None:
+    """config.json of a local directory, or of a hub id in the Hugging Face cache (no download)."""
+    if not path:
+        return None
+    local = Path(path).expanduser() / "config.json"
+    if local.is_file():
+        return local
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(path, "config.json")
+    except Exception:  # not a valid hub id, or no huggingface_hub
+        return None
+    return Path(hit) if isinstance(hit, str) else None
+
+
+def _builtin(path: str) -> ModelShape | None:
+    low = path.lower()
+    if "muse" in low:
+        return muse_spark_open()
+    if "qwen3-30b-a3b" in low:
+        return shape_from_hf(QWEN3_30B_A3B, "Qwen3-30B-A3B",
+                             "built-in copy of Qwen/Qwen3-30B-A3B's config.json")
+    return None
+
+
+def model_shape(cfg) -> ModelShape:
+    m = cfg.model
+    if m.make_tiny.arch:
+        from rl.models.tiny import VOCAB_SIZE, model_config
+
+        hf = model_config(m.make_tiny.arch, VOCAB_SIZE, eos_id=1, pad_id=0).to_dict()
+        return shape_from_hf(hf, f"make-tiny {m.make_tiny.arch}", "make-tiny's config (rl/models/tiny.py)")
+    for path in (m.path, m.rollout_path):
+        found = _local_config(path)
+        if found is None:
+            continue
+        config = json.loads(found.read_text())
+        return shape_from_hf(config, Path(path).name or path, str(found))
+    for path in (m.path, m.rollout_path):
+        shape = _builtin(path) if path else None
+        if shape is not None:
+            return shape
+    raise ValueError(f"plan: cannot tell the shape of model.path {m.path!r}: no config.json there or in the "
+                     "Hugging Face cache, and not a built-in model (Muse Spark Open, Qwen3-30B-A3B). Point "
+                     "model.path at a directory with config.json, or fetch only that file, e.g. "
+                     f"`huggingface-cli download {m.path} config.json`")
+
+
+def rollout_format(cfg, shape: ModelShape) -> tuple[str, str]:
+    """(format, why): 'nvfp4' or the model dtype, for the weights vLLM loads."""
+    path = cfg.model.rollout_path or cfg.model.path
+    found = _local_config(path) if path else None
+    if found is not None:
+        kind = quantization_kind(json.loads(found.read_text()).get("quantization_config"))
+        if kind is not None:
+            return kind, f"quantization_config in {found}"
+        return cfg.model.dtype, f"{found} has no quantization_config"
+    if shape.quantization:
+        return shape.quantization, "quantization_config of the model's config"
+    if "nvfp4" in path.lower():
+        return "nvfp4", f"'nvfp4' in the name {path!r} (no local config.json)"
+    return cfg.model.dtype, "model.dtype (no quantization found)"
+
+
+# ----------------------------------------------------------------------------------------------------
+# LoRA sizes
+# ----------------------------------------------------------------------------------------------------
+
+
+def vllm_lora_rank(rank: int) -> int:
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+
+
+def _lora_modules(cfg, s: ModelShape) -> list[tuple[str, int, int, int, str]]:
+    """(name, count, in, out, split) of every adapted matrix kind; split says how vLLM lays it over TP:
+    'col' (output split), 'row' (input split) or 'kv' (output split by KV heads, replicated below one)."""
+    lo, L = cfg.lora, s.num_layers
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    known = {"q_proj": (L, s.hidden, q, "col"), "k_proj": (L, s.hidden, kv, "kv"),
+             "v_proj": (L, s.hidden, kv, "kv"), "o_proj": (L, q, s.hidden, "row")}
+    if s.num_dense_layers and s.dense_inter:  # dense MLP layers (a dense model, or an MoE's dense layers)
+        n, i = s.num_dense_layers, s.dense_inter
+        known.update({"gate_proj": (n, s.hidden, i, "col"), "up_proj": (n, s.hidden, i, "col"),
+                      "down_proj": (n, i, s.hidden, "row")})
+    out = [(m, *known[m]) for m in lo.target_modules if m in known]
+    if lo.target_experts and s.num_experts:
+        n, he, ie = s.moe_layers * s.num_experts, s.expert_width, s.expert_inter
+        out += [("experts.gate", n, he, ie, "col"), ("experts.up", n, he, ie, "col"),
+                ("experts.down", n, ie, he, "row")]
+    if lo.target_latent and s.latent:
+        out += [("pooler", s.moe_layers, s.hidden, s.latent, "col"),
+                ("unpooler", s.moe_layers, s.latent, s.hidden, "row")]
+    return out
+
+
+def untargeted_modules(cfg, s: ModelShape) -> list[str]:
+    """lora.target_modules names the planner does not know for this model (not counted)."""
+    counted = {m for m, *_ in _lora_modules(cfg, s)}
+    return [m for m in cfg.lora.target_modules if m not in counted]
+
+
+def trainer_lora_params(cfg, s: ModelShape) -> int:
+    """LoRA parameters as the trainer holds them: r x (in + out) per matrix, except the fused experts'
+    gate_up_proj [E, 2I, H], whose one A serves gate and up (PEFT target_parameters)."""
+    r, total = cfg.lora.rank, 0
+    for name, count, fan_in, fan_out, _ in _lora_modules(cfg, s):
+        if name == "experts.up":
+            total += count * r * fan_out  # its B only: A is gate's
+        else:
+            total += count * r * (fan_in + fan_out)
+    return total
+
+
+def rollout_lora_params(cfg, s: ModelShape, tp: int) -> float:
+    """Elements of one vLLM LoRA slot on one GPU, at vLLM's rank: column-parallel layers keep A whole and
+    split B's output over TP; row-parallel ones split A's input and keep B whole."""
+    r = vllm_lora_rank(cfg.lora.rank)
+    total = 0.0
+    for _, count, fan_in, fan_out, split in _lora_modules(cfg, s):
+        if split == "col":
+            total += count * r * (fan_in + fan_out / tp)
+        elif split == "kv":
+            total += count * r * (fan_in + math.ceil(s.num_kv_heads / tp) * s.head_dim)
+        else:
+            total += count * r * (fan_in / tp + fan_out)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------
+# The plan
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    gpu_bytes: float
+    num_gpus: int
+    placement: str
+    # rollout, per GPU
+    rollout_format: str
+    rollout_format_why: str
+    tp: int
+    engines: int
+    context: int
+    r_weights: float
+    r_lora: float
+    r_activations: float
+    r_runtime: float
+    r_budget: float
+    kv_per_seq: float
+    kv_room: float
+    seqs_wanted: int
+    # trainer, per GPU
+    ranks: int
+    t_weights: float
+    t_lora_state: float
+    t_gathered: float
+    t_activations: float
+    t_runtime: float
+    micro_tokens: int
+    lora_params_trainer: int
+    lora_params_rollout_gpu: float
+    lora_rank: int
+    t_logits: float = 0.0
+    untargeted: list[str] = field(default_factory=list)
+    verdicts: list[tuple[str, bool, str]] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def r_total_min(self) -> float:
+        """What vLLM needs within its budget to hold one full-length sequence."""
+        return self.r_weights + self.r_lora + self.r_activations + self.r_runtime + self.kv_per_seq
+
+    @property
+    def seqs_fit(self) -> int:
+        return max(0, int(self.kv_room // self.kv_per_seq)) if self.kv_per_seq else 0
+
+    @property
+    def t_resident(self) -> float:
+        return self.t_weights + self.t_lora_state + self.t_runtime
+
+    @property
+    def t_peak(self) -> float:
+        return self.t_resident + self.t_gathered + self.t_activations
+
+    @property
+    def fits(self) -> bool:
+        return all(ok for _, ok, _ in self.verdicts)
+
+
+def _kv_bytes_per_token_layer(s: ModelShape, tp: int, dtype_bytes: int) -> int:
+    return 2 * math.ceil(s.num_kv_heads / tp) * s.head_dim * dtype_bytes
+
+
+def _layer_working_set(s: ModelShape, tokens: int, abytes: int, tp: int = 1) -> float:
+    """Activations of one decoder layer: ~6 hidden-width tensors (input, norms, attention output,
+    residual), q/k/v and attention output, the routed copies of each token with gate/up/product, and the
+    latent pooled/unpooled tensors."""
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    if s.num_experts:
+        mlp = s.top_k * (s.expert_width + 3 * s.expert_inter / tp) + 2 * s.latent
+    else:
+        mlp = 3 * s.dense_inter / tp
+    return tokens * abytes * (6 * s.hidden + (2 * q + 2 * kv) / tp + mlp)
+
+
+def _logits_bytes(tokens: int, vocab: float, abytes: int) -> float:
+    """The trainer's response logits in the compute dtype, their fp32 copy and fp32 log-softmax."""
+    return tokens * vocab * (abytes + 4 + 4)
+
+
+def trainer_activations(cfg, s: ModelShape, tokens: int, abytes: int) -> float:
+    work = _layer_working_set(s, tokens, abytes)
+    if cfg.trainer.activation_checkpointing:
+        kept = s.num_layers * tokens * s.hidden * abytes  # each layer's input, recomputed in backward
+    else:
+        kept = (s.num_layers - 1) * work
+    return kept + work + _logits_bytes(tokens, s.vocab, abytes)
+
+
+def make_plan(cfg, gpu_gib: float = H200_GIB) -> Plan:
+    s = model_shape(cfg)
+    ro, tr, res = cfg.rollout, cfg.trainer, cfg.resources
+    G = gpu_gib * GiB
+    wbytes = DTYPE_BYTES[cfg.model.dtype]
+    fmt, why = rollout_format(cfg, s)
+    tp = ro.tensor_parallel_size
+
+    # ---- rollout ----
+    p = s.params
+    if fmt == "nvfp4":
+        stored = sum(v * (NVFP4_BYTES if k in QUANTIZED_GROUPS else wbytes) for k, v in p.items())
+    else:
+        stored = s.total_params * DTYPE_BYTES.get(fmt, wbytes)
+    context = ro.max_model_len or ro.max_prompt_len + max(ro.max_response_len, cfg.eval.max_response_len)
+    lora_gpu = rollout_lora_params(cfg, s, tp) if cfg.sync.mode == "adapter" else 0.0
+    on_gpu = res.num_gpus > 0
+    # On CPU there is no CUDA context, and vLLM's KV cache is a fixed size of its own (cpu_kvcache_gb).
+    runtime = (RUNTIME_BYTES + (0 if ro.enforce_eager else CUDA_GRAPH_BYTES)) if on_gpu else 0
+    r_act = (_layer_working_set(s, VLLM_BATCHED_TOKENS, wbytes, tp)
+             + ro.max_num_seqs * s.vocab / tp * 4)  # the sampler's fp32 logits, one row a sequence
+    r_weights, r_lora = stored / tp, lora_gpu * wbytes
+    if on_gpu:
+        budget = ro.gpu_memory_utilization * G
+    else:
+        budget = r_weights + r_lora + r_act + ro.cpu_kvcache_gb * GiB  # 0: vLLM sizes it from host memory
+    kv_seq = _kv_bytes_per_token_layer(s, tp, wbytes) * s.layer_tokens(context)
+    kv_room = budget - r_weights - r_lora - r_act - runtime
+    wanted = min(ro.max_num_seqs, math.ceil(cfg.data.train_batch_size * ro.n / ro.num_workers))
+
+    # ---- trainer ----
+    ranks = tr.num_ranks
+    lora_t = trainer_lora_params(cfg, s)
+    state_bytes = 4 * DTYPE_BYTES[tr.dtype]  # parameter, gradient, AdamW m and v
+    gathered = 0.0 if ranks == 1 else (2 * s.largest_layer_params() + p.get("embeddings", 0)) * wbytes
+    tokens = tr.micro_batch_tokens or tr.micro_batch_size * (ro.max_prompt_len + ro.max_response_len)
+
+    plan = Plan(
+        shape=s, gpu_bytes=G, num_gpus=res.num_gpus, placement=ro.placement, rollout_format=fmt,
+        rollout_format_why=why, tp=tp, engines=ro.num_workers, context=context, r_weights=r_weights,
+        r_lora=r_lora, r_activations=r_act, r_runtime=runtime, r_budget=budget, kv_per_seq=kv_seq,
+        kv_room=kv_room, seqs_wanted=wanted, ranks=ranks, t_weights=s.total_params * wbytes / ranks,
+        t_lora_state=lora_t * state_bytes / ranks, t_gathered=gathered,
+        t_activations=trainer_activations(cfg, s, tokens, wbytes), t_runtime=RUNTIME_BYTES if on_gpu else 0,
+        micro_tokens=tokens, lora_params_trainer=lora_t, lora_params_rollout_gpu=lora_gpu,
+        lora_rank=vllm_lora_rank(cfg.lora.rank), untargeted=untargeted_modules(cfg, s),
+        t_logits=_logits_bytes(tokens, s.vocab, wbytes),
+    )
+    if on_gpu:
+        _judge(plan, cfg)
+    return plan
+
+
+def _up(x: float, step: float = 0.01) -> float:
+    return math.ceil(x / step - 1e-9) * step
+
+
+def _judge(p: Plan, cfg) -> None:
+    """Fill p.verdicts and p.suggestions."""
+    G, ro = p.gpu_bytes, cfg.rollout
+    gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
+    u_need = p.r_total_min / G
+    u_all = (p.r_total_min - p.kv_per_seq + p.seqs_wanted * p.kv_per_seq) / G
+    need_ranks: list[tuple[int, str]] = []  # (trainer ranks, why) for each check more ranks would pass
+
+    ok = p.kv_room >= p.kv_per_seq
+    p.verdicts.append(("rollout", ok, f"needs {gib(p.r_total_min)} for one {p.context:,}-token sequence "
+                       f"within its {gib(p.r_budget)} (gpu_memory_utilization "
+                       f"{ro.gpu_memory_utilization:g})"))
+    if not ok:
+        if u_need <= 0.95:
+            p.suggestions.append(f"rollout.gpu_memory_utilization={_up(u_need):.2f} (at least) gives vLLM "
+                                 "room for one full-length sequence")
+        if ro.tensor_parallel_size * 2 <= cfg.resources.gpus_per_node:
+            p.suggestions.append(f"rollout.tensor_parallel_size={ro.tensor_parallel_size * 2} halves the "
+                                 "weights each GPU holds")
+    elif p.seqs_fit < p.seqs_wanted:
+        msg = (f"the KV room holds {p.seqs_fit} of the {p.seqs_wanted} sequences an engine runs at once; "
+               "vLLM queues the rest (slower rollouts)")
+        if u_all <= 0.95:
+            msg += f"; rollout.gpu_memory_utilization={_up(u_all):.2f} holds them all"
+        p.suggestions.append(msg)
+
+    if p.placement == "colocated":
+        during_rollout = p.t_resident + p.r_budget
+        ok = during_rollout <= G
+        p.verdicts.append(("colocated, rollout phase", ok,
+                           f"trainer's resident {gib(p.t_resident)} + vLLM's {gib(p.r_budget)} = "
+                           f"{gib(during_rollout)} of {gib(G)}"))
+        if not ok:
+            room = (G - p.t_resident) / G
+            if room >= u_need:
+                p.suggestions.append(f"rollout.gpu_memory_utilization={math.floor(room * 100) / 100:.2f} (at "
+                                     "most) leaves the trainer's resident state its room")
+            sharded = (p.t_weights + p.t_lora_state) * p.ranks
+            free = G - p.r_budget - p.t_runtime
+            if free > 0:
+                need_ranks.append((math.ceil(sharded / free), "beside vLLM's budget"))
+            p.suggestions.append("rollout.placement=split gives the engines GPUs of their own")
+        sleeping = RUNTIME_BYTES
+        ok = p.t_peak + sleeping <= G
+        p.verdicts.append(("colocated, training phase", ok,
+                           f"trainer peak {gib(p.t_peak)} + vLLM asleep {gib(sleeping)} of {gib(G)}"))
+    else:
+        sleeping = 0.0
+        ok = p.t_peak <= G
+        p.verdicts.append(("trainer", ok, f"peak {gib(p.t_peak)} of {gib(G)}"))
+    if not ok:
+        _training_hints(p, cfg, sleeping, need_ranks)
+    if need_ranks:
+        why = " and ".join(w for _, w in need_ranks)
+        p.suggestions.insert(0, _ranks_hint(cfg, max(n for n, _ in need_ranks), why))
+
+
+def _training_hints(p: Plan, cfg, sleeping: float, need_ranks: list[tuple[int, str]]) -> None:
+    """The trainer's peak is over: more ranks thin the sharded state; a shorter micro-batch shrinks the
+    activations, which do not shard."""
+    G, tr = p.gpu_bytes, cfg.trainer
+    gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
+    sharded = (p.t_weights + p.t_lora_state) * p.ranks
+    fixed = p.t_gathered + p.t_activations + p.t_runtime + sleeping  # per GPU whatever the rank count
+    if fixed < G:
+        need_ranks.append((math.ceil(sharded / (G - fixed)), "for the training phase"))
+    longest = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
+    per_token = p.t_activations / p.micro_tokens if p.micro_tokens else 0.0
+    if tr.micro_batch_tokens and per_token and p.micro_tokens > longest:
+        room = G - (p.t_peak - p.t_activations) - sleeping
+        t_fit = int(room / per_token) if room > 0 else 0
+        if longest <= t_fit < p.micro_tokens:
+            p.suggestions.append(f"trainer.micro_batch_tokens={t_fit} (at most) fits the activations "
+                                 f"({gib(p.t_activations)} at {p.micro_tokens:,} tokens)")
+        else:
+            fixed_min = fixed - p.t_activations + per_token * longest
+            msg = (f"trainer.micro_batch_tokens={longest} (one whole sequence, the least allowed) cuts the "
+                   f"activations from {gib(p.t_activations)} to {gib(per_token * longest)}")
+            if fixed_min < G:
+                ranks = _round_ranks(cfg, math.ceil(sharded / (G - fixed_min)))
+                msg += f"; then trainer.num_ranks={ranks} would do"
+            p.suggestions.append(msg)
+    if not tr.activation_checkpointing:
+        p.suggestions.append("trainer.activation_checkpointing=true keeps each layer's input, not all its "
+                             "activations")
+    if fixed >= G:
+        p.suggestions.append(f"the gathered layers, activations and runtime alone take {gib(fixed)} a GPU: "
+                             "more ranks cannot help; shorten trainer.micro_batch_tokens")
+
+
+def _round_ranks(cfg, ranks: int) -> int:
+    """Past one node, whole nodes."""
+    per_node = cfg.resources.gpus_per_node
+    return math.ceil(ranks / per_node) * per_node if ranks > per_node else ranks
+
+
+def _ranks_hint(cfg, ranks: int, why: str) -> str:
+    ranks = _round_ranks(cfg, ranks)
+    nodes = max(math.ceil(ranks / cfg.resources.gpus_per_node), cfg.resources.nodes)
+    gpus = max(ranks, cfg.resources.num_gpus)
+    return (f"trainer.num_ranks={ranks} resources.num_gpus={gpus} resources.nodes={nodes} (sharded trainer "
+            f"state, {why})")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------------
+
+
+def _b(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,.0f}"
+
+
+def format_plan(p: Plan, recipe: str = "") -> str:
+    s = p.shape
+    g = lambda b: f"{b / GiB:9.2f} GiB"  # noqa: E731
+    lines = []
+    where = f"{p.num_gpus} GPUs x {p.gpu_bytes / GiB:g} GiB, {p.placement}" if p.num_gpus else "CPU run"
+    lines.append(f"plan {recipe} ({where})".replace("  ", " "))
+    unit = "GPU" if p.num_gpus else "process"
+    lines.append(f"model: {s.name} ({s.source})")
+    moe = (f", {s.num_experts} experts (top-{s.top_k}) of width {s.expert_width} x {s.expert_inter}"
+           if s.num_experts else f", MLP {s.dense_inter}")
+    win = f"; {s.window_layers} sliding-window layers of {s.window:,} tokens" if s.window_layers else ""
+    latent = f", latent {s.latent}" if s.latent else ""
+    lines.append(f"  {s.num_layers} layers, hidden {s.hidden}{moe}{latent}; {s.num_heads} heads, "
+                 f"{s.num_kv_heads} KV heads x {s.head_dim}{win}; vocab {s.vocab:,}")
+    lines.append("  parameters: " + ", ".join(f"{k} {_b(v)}" for k, v in s.params.items())
+                 + f"; total {_b(s.total_params)}")
+    for a in s.assumptions:
+        lines.append(f"  assumed: {a}")
+    if p.untargeted:
+        names = ", ".join(p.untargeted)
+        lines.append(f"  not counted: lora.target_modules {names} (no such layer known here)")
+
+    lines.append(f"rollout per {unit} ({p.engines} engine(s) x TP {p.tp}; weights {p.rollout_format}: "
+                 f"{p.rollout_format_why})")
+    lines.append(f"  weights      {g(p.r_weights)}")
+    lora_note = (f"1 adapter at vLLM rank {p.lora_rank}: {_b(p.lora_params_rollout_gpu)} elements"
+                 if p.r_lora else "none (sync.mode merged: vLLM runs without LoRA)")
+    lines.append(f"  LoRA slot    {g(p.r_lora)}   {lora_note}")
+    lines.append(f"  activations  {g(p.r_activations)}   {VLLM_BATCHED_TOKENS:,} batched tokens")
+    lines.append(f"  runtime      {g(p.r_runtime)}")
+    kv_known = p.num_gpus or p.kv_room > 0
+    if p.num_gpus:
+        where = f"what is left of {p.r_budget / GiB:.2f} GiB (gpu_memory_utilization x GPU)"
+    else:
+        where = ("rollout.cpu_kvcache_gb" if kv_known
+                 else "rollout.cpu_kvcache_gb = 0: vLLM sizes it from host memory")
+    lines.append(f"  KV cache     {g(max(p.kv_room, 0))}   {where}")
+    ratio = f"{s.kv_ratio(p.context):.3f} of all-full attention" if s.window_layers else "all layers full"
+    room = f"room for {p.seqs_fit} at once, " if kv_known else ""
+    lines.append(f"    a {p.context:,}-token sequence: {p.kv_per_seq / 2**20:,.1f} MiB ({ratio}); "
+                 f"{room}{p.seqs_wanted} wanted per engine")
+    long = s.max_context or LONG_CONTEXT
+    if s.window_layers and long > p.context:
+        lines.append(f"    at {long:,} tokens the KV cache is {s.kv_ratio(long):.4f} of all-full attention "
+                     f"({s.window_layers} layers hold {s.window:,} tokens, {s.num_layers - s.window_layers} "
+                     "hold all)")
+
+    lines.append(f"trainer per {unit} (FSDP2 over {p.ranks} rank(s); micro-batch {p.micro_tokens:,} tokens)")
+    lines.append(f"  weights      {g(p.t_weights)}   base, sharded")
+    lines.append(f"  LoRA state   {g(p.t_lora_state)}   {_b(p.lora_params_trainer)} LoRA parameters + "
+                 "gradients + AdamW m, v; sharded")
+    lines.append(f"  gathered     {g(p.t_gathered)}   two decoder layers ({_b(s.largest_layer_params())} "
+                 "each) + embeddings/output")
+    lines.append(f"  activations  {g(p.t_activations)}   of which the response logits "
+                 f"{p.t_logits / GiB:.2f} GiB")
+    lines.append(f"  runtime      {g(p.t_runtime)}")
+    lines.append(f"  peak         {g(p.t_peak)}")
+
+    if not p.num_gpus:
+        lines.append("verdict: CPU run (resources.num_gpus = 0): figures are per process, no GPU check")
+        return "\n".join(lines)
+    lines.append("verdict: " + ("FITS" if p.fits else "DOES NOT FIT"))
+    for name, ok, why in p.verdicts:
+        lines.append(f"  {'ok  ' if ok else 'OVER'} {name}: {why}")
+    if p.suggestions:
+        lines.append("what to change:")
+        lines += [f"  - {x}" for x in p.suggestions]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rl.config import load_config
+
+    cfg = load_config(args.recipe, args.overrides)
+    p = make_plan(cfg, args.gpu_gib)
+    print(format_plan(p, args.recipe))
+    return 0 if p.fits or not p.num_gpus else 1
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="memory per GPU for rollout and trainer; whether the recipe fits",
+        description="Estimate memory per GPU for the recipe's rollout engines and trainer ranks (weights in "
+                    "their stored format, KV cache with sliding-window layers at their window, LoRA, "
+                    "optimizer state, activations), say whether it fits and what to change. Exit code 1 "
+                    "when it does not fit.")
+    p.add_argument("recipe", metavar="RECIPE")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, e.g. rollout.max_model_len=1048576")
+    p.add_argument("--gpu-gib", type=float, default=H200_GIB,
+                   help=f"memory of one GPU in GiB (default {H200_GIB:g}: an H200)")
+    p.set_defaults(func=main)
+    return p
+

@@ -1,0 +1,344 @@
+"""`sparkrl submit RECIPE [key=value ...]`: run `sparkrl train` as a Ray job (the Job SDK, what `ray job
+submit` uses), print the job id and follow its logs.
+
+    client = make_client("http://127.0.0.1:8265")          # else $RAY_ADDRESS
+    job = submit_run(client, "recipes/demo_cpu.yaml", ["trainer.total_steps=1"])
+    status = follow(client, job.job_id)                    # "SUCCEEDED", "FAILED" or "STOPPED"
+
+What the job gets:
+- The code: this checkout is uploaded as the job's working directory (Ray's runtime env), minus the venv,
+  runs, caches and VCS data (EXCLUDES); the job's `python -m rl` imports that copy.
+- The interpreter: the entrypoint names one explicitly, because Ray runs it with the `python` on the
+  cluster's PATH, not this venv's. The default is this process's interpreter, right for a local cluster
+  and for clusters whose nodes share the same venv path; elsewhere pass `--python /path/on/the/cluster`.
+- The run directory: the job runs inside Ray's unpacked copy of the project, so a relative `run.dir`
+  would land there and vanish with the session. `run.dir` is therefore made absolute: `<cwd>/runs/<name>`
+  as a local run would use, or `--runs-root DIR/<name>`. The head node must see that path (true on a
+  local cluster or a shared filesystem). Local files the config names (model and data paths) that the
+  upload leaves out are made absolute likewise.
+- Environment: only PYTHONUNBUFFERED and what `--env` names. Cluster-wide settings (NCCL, vLLM, HF
+  caches) belong in the node environment set by launch/head.sh and launch/worker.sh; secrets should stay
+  there too, since a job's runtime env is shown on the dashboard.
+
+Auth: with token authentication on (launch/head.sh sets RAY_AUTH_MODE=token), export RAY_AUTH_MODE=token
+and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) here too; the SDK then sends the token with every request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fnmatch
+import os
+import re
+import secrets
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rl.config import ConfigError, find_recipe, load_config
+
+# The checkout this code runs from: what gets uploaded (None for a non-editable install).
+_CHECKOUT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT: Path | None = _CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else None
+# Left out of the upload: Ray caps a working dir at a few hundred MB, and none of these is code.
+EXCLUDES = [
+    ".venv", "venv", ".git", "runs", "checkpoints", "build", "dist", "*.egg-info", "__pycache__",
+    ".pytest_cache", ".ruff_cache", ".hypothesis", ".cache", ".kit", ".whl", "*.safetensors", "*.pt",
+    "*.bin", "*.gguf",
+]
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+# Config keys that may name a local file or directory (data specs may carry a ?query).
+PATH_KEYS = ("model.path", "model.rollout_path", "data.train", "data.val", "eval.data")
+_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|API_KEY|CREDENTIAL", re.I)
+
+
+@dataclass
+class TrainCommand:
+    argv: list[str]  # python -m rl train RECIPE overrides... run.dir=<abs>
+    run_dir: Path
+    run_name: str
+
+
+@dataclass
+class SubmittedJob:
+    job_id: str
+    entrypoint: str
+    run_dir: Path
+
+
+# ----------------------------------------------------------------------------------------------------
+# The client and the job's runtime environment
+# ----------------------------------------------------------------------------------------------------
+
+
+def resolve_address(address: str | None) -> str:
+    return address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
+
+
+def make_client(address: str | None = None):
+    """A JobSubmissionClient for `address` (else $RAY_ADDRESS, else the local dashboard's default)."""
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    address = resolve_address(address)
+    # Ray lets $RAY_ADDRESS / $RAY_API_SERVER_ADDRESS override the address argument; an explicit
+    # --address must win, so hide them while the client resolves it.
+    hidden = {k: os.environ.pop(k) for k in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS") if k in os.environ}
+    try:
+        try:
+            return JobSubmissionClient(address)
+        except AuthenticationError:
+            # The cluster wants a token. `ray start` turns token auth on by itself once ~/.ray/auth_token
+            # exists, but the Job SDK only sends one under RAY_AUTH_MODE=token: do what `ray start` does,
+            # only now that the server has asked, and only when the mode was left unset.
+            if "RAY_AUTH_MODE" in os.environ or not _enable_token_auth_if_token_available():
+                raise
+            return JobSubmissionClient(address)
+    except AuthenticationError as e:
+        raise ConnectionError(f"the Ray job server at {address} refused us: {e}\nExport "
+                              "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) with the "
+                              "cluster's token") from None
+    except (ConnectionError, RuntimeError) as e:
+        raise ConnectionError(f"cannot reach the Ray job server at {address} ({e}); start a cluster "
+                              "(launch/head.sh) or pass --address / set RAY_ADDRESS") from None
+    finally:
+        os.environ.update(hidden)
+
+
+def _enable_token_auth_if_token_available() -> bool:
+    try:  # a private Ray helper (there in Ray 2.60); without it the user sets RAY_AUTH_MODE=token
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:
+        return False
+    return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def parse_env(items: list[str] | None) -> dict[str, str]:
+    """['A=1', 'B'] -> {'A': '1', 'B': <B from this environment>}."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not re.fullmatch(r"[A-Za-z_]\w*", key):
+            raise ValueError(f"--env {item!r}: expected KEY=VALUE or KEY")
+        if not sep:
+            if key not in os.environ:
+                raise ValueError(f"--env {key}: not set in this environment (give KEY=VALUE)")
+            value = os.environ[key]
+        if _SECRET.search(key):
+            print(f"submit: warning: {key} goes into the job's runtime env, which the dashboard shows; "
+                  "prefer setting secrets in the node environment", file=sys.stderr)
+        out[key] = value
+    return out
+
+
+def runtime_env(working_dir: Path | None = PROJECT_ROOT, env: dict[str, str] | None = None) -> dict:
+    renv: dict = {"env_vars": {"PYTHONUNBUFFERED": "1", **(env or {})}}  # logs stream as they are written
+    if working_dir is not None:
+        renv.update(working_dir=str(working_dir), excludes=list(EXCLUDES))
+    return renv
+
+
+def is_uploaded(path: Path, working_dir: Path | None = PROJECT_ROOT) -> bool:
+    """Whether `path` (absolute) travels with the job's working dir."""
+    if working_dir is None:
+        return False
+    try:
+        rel = path.resolve().relative_to(working_dir.resolve())
+    except ValueError:
+        return False
+    return not any(fnmatch.fnmatch(part, pat) for part in rel.parts for pat in EXCLUDES)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The train entrypoint
+# ----------------------------------------------------------------------------------------------------
+
+
+def _job_run_dir(cfg, runs_root: str | Path | None) -> Path:
+    if cfg.run.dir:
+        return Path(cfg.run.dir).absolute()
+    return (Path(runs_root) if runs_root else Path("runs")).absolute() / cfg.run.name
+
+
+def _local_path_overrides(cfg, working_dir: Path | None) -> list[str]:
+    """`key=/abs/path` for config paths that exist here, relative to this directory, but that the job
+    (whose working directory is the uploaded copy) would not find under the same relative name."""
+    same_cwd = working_dir is not None and Path.cwd().resolve() == working_dir.resolve()
+    out = []
+    for key in PATH_KEYS:
+        section, leaf = key.split(".")
+        value = getattr(getattr(cfg, section), leaf)
+        path, sep, query = value.partition("?")
+        if not path or Path(path).is_absolute() or not Path(path).exists():
+            continue
+        if same_cwd and is_uploaded(Path(path).absolute(), working_dir):
+            continue
+        out.append(f"{key}={Path(path).absolute()}{sep}{query}")
+    return out
+
+
+def train_command(recipe: str, overrides: list[str], *, python: str = sys.executable,
+                  runs_root: str | Path | None = None, working_dir: Path | None = PROJECT_ROOT,
+                  resume: bool = False) -> TrainCommand:
+    """The job's argv `python -m rl train RECIPE overrides... run.dir=<abs>`, its run directory and name.
+    Loads the config here first, so a bad recipe or override fails before anything is submitted."""
+    cfg = load_config(recipe, overrides)
+    path = find_recipe(recipe)
+    if working_dir is not None and is_uploaded(path.absolute(), working_dir):
+        recipe_arg = path.resolve().relative_to(working_dir.resolve()).as_posix()
+    else:
+        recipe_arg = str(path.absolute())  # the cluster must see this path (shared filesystem)
+    rdir = _job_run_dir(cfg, runs_root)
+    extra = _local_path_overrides(cfg, working_dir) + [f"run.dir={rdir}"]
+    argv = [python, "-m", "rl", "train", recipe_arg, *overrides, *extra]
+    return TrainCommand(argv + (["--resume"] if resume else []), rdir, cfg.run.name)
+
+
+def submission_id(run_name: str) -> str:
+    """Readable and unique: sparkrl-<run name>-<time>-<random> (no '/', which job URLs cannot hold)."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", run_name)[:80]
+    return f"sparkrl-{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Submitting, following, waiting
+# ----------------------------------------------------------------------------------------------------
+
+
+def submit_entrypoint(client, entrypoint: str, *, renv: dict | None = None, job_id: str | None = None,
+                      metadata: dict[str, str] | None = None) -> str:
+    """Submit any shell command as a job; returns its submission id."""
+    return client.submit_job(entrypoint=entrypoint, runtime_env=renv if renv is not None else runtime_env(),
+                             submission_id=job_id, metadata=metadata)
+
+
+def submit_run(client, recipe: str, overrides: list[str], *, python: str = sys.executable,
+               env: dict[str, str] | None = None, runs_root: str | Path | None = None,
+               working_dir: Path | None = PROJECT_ROOT, resume: bool = False) -> SubmittedJob:
+    cmd = train_command(recipe, overrides, python=python, runs_root=runs_root, working_dir=working_dir,
+                        resume=resume)
+    entrypoint = shlex.join(cmd.argv)
+    job_id = submit_entrypoint(client, entrypoint, renv=runtime_env(working_dir, env),
+                               job_id=submission_id(cmd.run_name),
+                               metadata={"sparkrl_recipe": str(recipe), "sparkrl_run_dir": str(cmd.run_dir)})
+    return SubmittedJob(job_id, entrypoint, cmd.run_dir)
+
+
+def status_of(client, job_id: str) -> str:
+    status = client.get_job_status(job_id)
+    return getattr(status, "value", str(status))
+
+
+def wait(client, job_id: str, poll_s: float = 1.0, timeout_s: float | None = None) -> str:
+    """Poll until the job is SUCCEEDED, FAILED or STOPPED; returns that status."""
+    start = time.monotonic()
+    while (status := status_of(client, job_id)) not in TERMINAL:
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"job {job_id} still {status} after {timeout_s:.0f} s")
+        time.sleep(poll_s)
+    return status
+
+
+def wait_any(client, job_ids: list[str], poll_s: float = 2.0) -> tuple[str, str]:
+    """(job id, final status) of the first of `job_ids` to finish."""
+    while True:
+        for job_id in job_ids:
+            status = status_of(client, job_id)
+            if status in TERMINAL:
+                return job_id, status
+        time.sleep(poll_s)
+
+
+async def _tail(client, job_id: str, out) -> None:
+    async for chunk in client.tail_job_logs(job_id):
+        out.write(chunk)
+        out.flush()
+
+
+def follow(client, job_id: str, out=None, poll_s: float = 1.0) -> str:
+    """Stream the job's logs to `out` (stdout) until it ends; returns its final status."""
+    out = out or sys.stdout
+    try:
+        asyncio.run(_tail(client, job_id, out))
+    except RuntimeError as e:  # the log stream broke off; the job itself may still be running
+        print(f"submit: log stream of {job_id} ended early ({e}); waiting for the job", file=sys.stderr)
+    return wait(client, job_id, poll_s)
+
+
+def _explain(client, job_id: str, status: str) -> str:
+    with contextlib.suppress(Exception):
+        message = client.get_job_info(job_id).message
+        if message:
+            return f"{status}: {message}"
+    return status
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------------------------
+
+
+def main(args: argparse.Namespace) -> int:
+    working_dir = Path(args.working_dir).resolve() if args.working_dir else PROJECT_ROOT
+    env = parse_env(args.env)
+    try:  # check the config before contacting the cluster
+        train_command(args.recipe, args.overrides, python=args.python, runs_root=args.runs_root,
+                      working_dir=working_dir)
+    except ConfigError as e:
+        print(f"sparkrl submit: {e}", file=sys.stderr)
+        return 2
+    try:
+        client = make_client(args.address)
+        job = submit_run(client, args.recipe, args.overrides, python=args.python, env=env,
+                         runs_root=args.runs_root, working_dir=working_dir, resume=args.resume)
+    except (ConnectionError, RuntimeError) as e:  # unreachable cluster, refused token, refused job
+        print(f"sparkrl submit: {e}", file=sys.stderr)
+        return 2
+    print(f"submit: job {job.job_id} on {resolve_address(args.address)}")
+    print(f"submit: entrypoint {job.entrypoint}")
+    print(f"submit: run dir {job.run_dir}", flush=True)
+    if args.no_wait:
+        print(f"submit: follow with `ray job logs --follow {job.job_id}`; "
+              f"stop with `ray job stop {job.job_id}`")
+        return 0
+    try:
+        status = follow(client, job.job_id)
+    except KeyboardInterrupt:  # as `ray job submit` does: detach, the job keeps running
+        print(f"\nsubmit: detached; job {job.job_id} keeps running (`ray job stop {job.job_id}` ends it)")
+        return 130
+    print(f"submit: job {job.job_id} {_explain(client, job.job_id, status)}")
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "submit", help="run `sparkrl train RECIPE [key=value ...]` as a Ray job and follow its logs",
+        description="Submit `python -m rl train RECIPE [key=value ...]` to a Ray cluster (the Job SDK, as "
+                    "`ray job submit`), with this checkout as the job's working directory. Prints the job id "
+                    "and follows the logs unless --no-wait; the exit code follows the job's final status.")
+    p.add_argument("recipe", metavar="RECIPE")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--address", default=None,
+                   help=f"Ray dashboard address (default: $RAY_ADDRESS, else {DEFAULT_ADDRESS})")
+    p.add_argument("--python", default=sys.executable,
+                   help="interpreter the job runs, as a path on the cluster's head node (default: this one, "
+                        f"{sys.executable}: right for a local cluster or one that shares this venv path; "
+                        "Ray would otherwise use the cluster's `python` on PATH)")
+    p.add_argument("--no-wait", action="store_true", help="print the job id and return")
+    p.add_argument("--runs-root", default=None,
+                   help="directory the run goes under, as seen from the head node (default: ./runs, made "
+                        "absolute; needs a filesystem the cluster shares)")
+    p.add_argument("--working-dir", default=None,
+                   help="directory uploaded as the job's working dir (default: this sparkrl checkout)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
+                   help="environment variable for the job (repeatable; KEY alone copies it from here)")
+    p.add_argument("--resume", action="store_true", help="pass --resume to train")
+    p.set_defaults(func=main)
+    return p

@@ -1,0 +1,263 @@
+"""`sparkrl submit` against a real local Ray cluster, plus the command it builds (no cluster needed).
+
+The cluster is this test's own: `ray start --head --block` on 127.0.0.1 with free ports and a private
+temp dir, in a session of its own, ended by signalling that process (and its process group) at teardown.
+`ray stop` is not used: it stops every Ray process of the user on the machine, including other clusters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from rl import submit
+from rl.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).with_name("ray"))
+# Logical CPU slots, not cores: the CPU demo's actors take one each (2 trainer ranks + 1 rollout engine)
+# and mostly wait on each other; with 2 slots its second trainer rank would never be scheduled.
+CLUSTER_CPUS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env_without_ray_address() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """The dashboard address of a fresh single-node cluster, with token authentication on.
+
+    Ray makes --node-ip-address=127.0.0.1 the machine's routable address and its GCS listens on every
+    interface, so the cluster requires a token (the user's ~/.ray/auth_token, created as `ray.init` would
+    if missing); the dashboard binds 127.0.0.1. The client side is what `sparkrl submit` does by itself:
+    rl.submit.make_client turns token auth on when the server asks for it."""
+    if not any(k in os.environ for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
+        if not (Path.home() / ".ray" / "auth_token").exists():
+            subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True)
+    dash = _free_port()
+    temp = tempfile.mkdtemp(prefix="srl_ray_", dir="/tmp")  # short: Ray's socket paths have a length limit
+    log = open(Path(temp) / "ray_start.log", "w")
+    cmd = [RAY, "start", "--head", "--block", f"--port={_free_port()}", f"--dashboard-port={dash}",
+           f"--num-cpus={CLUSTER_CPUS}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+           f"--temp-dir={temp}",
+           f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+           "--disable-usage-stats"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**_env_without_ray_address(), "RAY_AUTH_MODE": "token"})
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                log_text = (Path(temp) / "ray_start.log").read_text()
+                pytest.fail(f"ray start exited ({proc.returncode}):\n{log_text}")
+            try:
+                submit.make_client(address)
+                break
+            except ConnectionError as e:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the Ray job server did not come up within 180 s: {e}")
+            time.sleep(1)
+        yield address
+    finally:
+        # SIGTERM lets `ray start --block` shut its node down; then make sure of its process group.
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command submit builds (no cluster)
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_train_command_names_interpreter_and_absolute_run_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cmd = submit.train_command("recipes/demo_cpu.yaml", ["trainer.total_steps=1"],
+                               python="/opt/py/bin/python", working_dir=ROOT)
+    argv, rdir = cmd.argv, cmd.run_dir
+    assert cmd.run_name == "demo_cpu"
+    assert argv == ["/opt/py/bin/python", "-m", "rl", "train", "recipes/demo_cpu.yaml",
+                    "trainer.total_steps=1", f"run.dir={ROOT / 'runs' / 'demo_cpu'}"]
+    assert rdir == ROOT / "runs" / "demo_cpu"
+
+    cmd = submit.train_command("demo_cpu", ["run.name=x/y"], runs_root=tmp_path, working_dir=ROOT,
+                               resume=True)
+    argv, rdir = cmd.argv, cmd.run_dir
+    assert argv[4] == "recipes/demo_cpu.yaml"  # a shipped recipe's name, found inside the upload
+    assert argv[-2:] == [f"run.dir={tmp_path / 'x' / 'y'}", "--resume"]
+    assert rdir == tmp_path / "x" / "y"
+
+
+def test_train_command_recipe_outside_upload_and_local_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text((ROOT / "recipes" / "demo_cpu.yaml").read_text())
+    argv = submit.train_command(str(recipe), ["data.train=data.jsonl?limit=4"], working_dir=ROOT).argv
+    assert argv[4] == str(recipe)  # not uploaded: passed as an absolute path
+    assert f"data.train={tmp_path / 'data.jsonl'}?limit=4" in argv
+    assert f"run.dir={tmp_path / 'runs' / 'demo_cpu'}" == argv[-1]
+
+
+def test_bad_override_fails_before_submitting(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError, match="trainer.lrr"):
+        submit.train_command("recipes/demo_cpu.yaml", ["trainer.lrr=1"])
+    args = argparse.Namespace(recipe="recipes/demo_cpu.yaml", overrides=["trainer.total_steps=0"],
+                              working_dir=None, env=[], python=sys.executable, runs_root=None,
+                              address="http://127.0.0.1:1", no_wait=True, resume=False)
+    assert submit.main(args) == 2  # config error: no connection attempted (port 1 would refuse)
+
+
+def test_unreachable_cluster_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    args = argparse.Namespace(recipe="recipes/demo_cpu.yaml", overrides=[], working_dir=None, env=[],
+                              python=sys.executable, runs_root=None, address="http://127.0.0.1:1",
+                              no_wait=True, resume=False)
+    assert submit.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sparkrl submit: cannot reach the Ray job server at http://127.0.0.1:1")
+    assert "RAY_ADDRESS" in err
+
+
+def test_runtime_env_and_uploads():
+    renv = submit.runtime_env(ROOT, {"A": "1"})
+    assert renv["working_dir"] == str(ROOT)
+    assert renv["env_vars"] == {"PYTHONUNBUFFERED": "1", "A": "1"}
+    assert {".venv", "runs", ".git"} <= set(renv["excludes"])
+    assert submit.is_uploaded(ROOT / "recipes" / "demo_cpu.yaml", ROOT)
+    assert not submit.is_uploaded(ROOT / "runs" / "x" / "config.yaml", ROOT)
+    assert not submit.is_uploaded(ROOT / ".venv" / "bin" / "python", ROOT)
+    assert submit.parse_env(["X=1", "Y=a=b"]) == {"X": "1", "Y": "a=b"}
+    with pytest.raises(ValueError, match="not set"):
+        submit.parse_env(["SPARKRL_SURELY_UNSET_VAR"])
+
+
+def test_submission_id_is_url_safe():
+    sid = submit.submission_id("demo_lr_clip/lr=1e-4,clip=0.2")
+    assert sid.startswith("sparkrl-demo_lr_clip_lr_1e-4_clip_0_2-")
+    assert "/" not in sid and "," not in sid
+
+
+# ----------------------------------------------------------------------------------------------------
+# Against the cluster
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_submit_trivial_entrypoint_follows_logs(ray_cluster):
+    client = submit.make_client(ray_cluster)
+    # The job runs in the uploaded checkout: prove it by importing rl from there and printing its cwd.
+    code = ("import os, rl; print('hello from', os.path.basename(os.path.dirname(rl.__file__))); "
+            "print(os.getcwd())")
+    job_id = submit.submit_entrypoint(client, shlex.join([sys.executable, "-c", code]), job_id="srl-hello")
+    assert job_id == "srl-hello"
+    out = io.StringIO()
+    assert submit.follow(client, job_id, out=out) == "SUCCEEDED"
+    lines = out.getvalue().splitlines()
+    assert "hello from rl" in lines
+    cwd = lines[lines.index("hello from rl") + 1]
+    assert cwd != str(ROOT) and "working_dir_files" in cwd  # Ray's unpacked copy, not this checkout
+
+    failing = submit.submit_entrypoint(client, shlex.join([sys.executable, "-c", "import sys; sys.exit(3)"]))
+    assert submit.wait(client, failing, poll_s=0.5, timeout_s=120) == "FAILED"
+
+
+def test_submit_command_no_wait_then_wait(ray_cluster, tmp_path, monkeypatch, capsys):
+    """The `submit` subcommand through its register(): a config-checked job whose entrypoint runs; the job
+    fails or succeeds with `train`, but its id is printed and its status is final."""
+    parser = argparse.ArgumentParser(prog="sparkrl")
+    submit.register(parser.add_subparsers(dest="command"))
+    monkeypatch.chdir(ROOT)
+    args = parser.parse_args(["submit", "recipes/demo_cpu.yaml", "trainer.total_steps=1", "--no-wait",
+                              "--address", ray_cluster, "--runs-root", str(tmp_path)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    job_id = out.split("submit: job ", 1)[1].split()[0]
+    assert f"submit: run dir {tmp_path / 'demo_cpu'}" in out
+    assert f"run.dir={tmp_path / 'demo_cpu'}" in out
+    info = submit.make_client(ray_cluster).get_job_info(job_id)
+    assert info.entrypoint.startswith(f"{sys.executable} -m rl train recipes/demo_cpu.yaml")
+    assert info.metadata["sparkrl_run_dir"] == str(tmp_path / "demo_cpu")
+    submit.make_client(ray_cluster).stop_job(job_id)  # its result is the slow test's business
+    final = submit.wait(submit.make_client(ray_cluster), job_id, timeout_s=120)
+    assert final in ("STOPPED", "FAILED", "SUCCEEDED")
+
+
+@pytest.mark.slow
+def test_submit_demo_one_step(ray_cluster, tmp_path):
+    """CI: `sparkrl submit recipes/demo_cpu.yaml` with one step on a local cluster; needs `sparkrl train`."""
+    cmd = [sys.executable, "-m", "rl", "submit", "recipes/demo_cpu.yaml", "trainer.total_steps=1",
+           "eval.every=0", "eval.at_start=false", "trainer.checkpoint_every=0", "logging.tensorboard=false",
+           "--address", ray_cluster, "--runs-root", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                          env=_env_without_ray_address())
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "SUCCEEDED" in proc.stdout
+    lines = (tmp_path / "demo_cpu" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1]
+
+
+def test_sweep_through_submit_collects_final_metrics(ray_cluster, tmp_path, monkeypatch, capsys):
+    """`sparkrl sweep` without --local: one Ray job per point, then the table. The train entrypoint is
+    swapped for a stand-in that writes the run's metrics.jsonl where `run.dir` says."""
+    from rl import sweep as S
+
+    real = submit.train_command
+
+    def stand_in(recipe, overrides, **kw):
+        cmd = real(recipe, overrides, **kw)
+        lr = next(a.split("=", 1)[1] for a in cmd.argv if a.startswith("trainer.lr="))
+        code = ("import json, os, sys; d = sys.argv[1]; os.makedirs(d, exist_ok=True); "
+                "open(os.path.join(d, 'metrics.jsonl'), 'w').write("
+                "json.dumps({'step': 3, 'reward/mean': float(sys.argv[2]) * 1000}) + '\\n')")
+        cmd.argv = [kw.get("python", sys.executable), "-c", code, str(cmd.run_dir), lr]
+        return cmd
+
+    monkeypatch.setattr(submit, "train_command", stand_in)
+    sweep_file = tmp_path / "s.yaml"
+    sweep_file.write_text(f"base: {ROOT / 'recipes' / 'demo_cpu.yaml'}\nname: rs\n"
+                          "grid: {trainer.lr: [1.0e-4, 3.0e-4]}\n")
+    monkeypatch.chdir(ROOT)
+    parser = argparse.ArgumentParser(prog="sparkrl")
+    S.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["sweep", str(sweep_file), "--address", ray_cluster, "--runs-root",
+                              str(tmp_path / "runs"), "--max-concurrent", "2", "--no-report"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert out.count(": SUCCEEDED") == 2
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(str(tmp_path))}
+    assert rows == {str(tmp_path / "runs" / "rs" / "lr=1e-4"): ["3", "0.1", "ok"],
+                    str(tmp_path / "runs" / "rs" / "lr=3e-4"): ["3", "0.3", "ok"]}
