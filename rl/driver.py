@@ -45,6 +45,7 @@ class Run:
         c = build_components(cfg, self.dir)  # tokenizer, data, Ray, rollout pool, trainer group, reward
         self.tokenizer, self.rollout, self.trainer, self.reward = c.tokenizer, c.rollout, c.trainer, c.reward
         self.adv_estimator = c.trainer_spec.algo.adv_estimator
+        self.colocated = c.rollout.spec.enable_sleep_mode  # GPU, rollout.placement=colocated
         self.loader = PromptLoader(c.train_prompts, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.eval_prompts: list[Prompt] = c.eval_prompts
         self.monitor = KLMonitor(cfg.monitor.k3_kl_max, cfg.monitor.k3_kl_trend_max, cfg.monitor.trend_window)
@@ -93,6 +94,8 @@ class Run:
 
         # 1-3. Rollout, reward, dynamic sampling.
         samples, gen_s = self.collect_batch(step, metrics)
+        if self.colocated:  # hand the GPUs to the trainer: weights to host memory, KV cache dropped
+            self.rollout.sleep()
         t_rollout = time.perf_counter()
 
         # 4. Trainer log-probs with adapter v and the rollout's routing: the on-policy check.
@@ -118,6 +121,8 @@ class Run:
         t_sync = time.perf_counter()
 
         # 6. Send the new policy to the rollout workers.
+        if self.colocated:
+            self.rollout.wake_up()
         self.version += 1
         metrics.update(self.sync_weights())
         t_end = time.perf_counter()

@@ -13,6 +13,7 @@ from typing import Any
 
 from rl.config import SparkConfig
 from rl.data.loader import Prompt, tokenize_prompts
+from rl.placement import create_placement
 
 
 @dataclass
@@ -114,16 +115,20 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
     from rollout.staging import default_stage_root
     from trainer.group import TrainerGroup
 
+    init_ray(cfg)
+    place = create_placement(cfg)  # a bad GPU layout fails here, before any data is read
     model_path, rollout_path = resolve_model_paths(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_prompts = load_prompts_for(cfg, cfg.data.train, tokenizer, "train", cfg.data.arith.train_rows)
     eval_prompts = (load_prompts_for(cfg, cfg.eval.data, tokenizer, "test", cfg.data.arith.eval_rows)
                     if cfg.eval.data and cfg.eval.every >= 0 else [])
-    init_ray(cfg)
     rollout = RolloutPool(engine_spec_from_config(cfg, rollout_path), cfg.rollout.num_workers,
-                          stage_dir=str(default_stage_root(cfg.run.name)))
+                          stage_dir=str(default_stage_root(cfg.run.name)), placement_group=place.placement_group,
+                          bundle_indices=place.rollout_bundles, actor_options=place.rollout_options)
     spec = trainer_spec(cfg, model_path)
-    trainer = TrainerGroup(spec, cfg.trainer.num_ranks, use_gpu=cfg.resources.num_gpus > 0)
+    trainer = TrainerGroup(spec, cfg.trainer.num_ranks, use_gpu=cfg.resources.num_gpus > 0,
+                           placement_group=place.placement_group, bundle_offset=place.trainer_bundle_offset,
+                           num_gpus_per_rank=place.trainer_gpus_per_rank)
     reward = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend)
     return Components(tokenizer, train_prompts, eval_prompts, rollout, trainer, reward, spec, model_path,
                       rollout_path)

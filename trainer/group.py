@@ -24,7 +24,8 @@ def free_port() -> int:
 class TrainerGroup:
     """num_ranks TrainerWorker actors (CPU: gloo, num_cpus=1 each; GPU: NCCL, num_gpus=1 each).
 
-    placement_group: bundles for the ranks (bundle r hosts rank r), e.g. to share GPUs with rollout.
+    placement_group: bundles for the ranks (bundle bundle_offset + r hosts rank r), e.g. to share GPUs
+    with rollout; num_gpus_per_rank is then the rank's share of its bundle's GPU.
     master_addr: where rank 0 listens; the default (this node's IP) assumes rank 0 lands on this node,
     which holds for a local cluster; pass rank 0's node address otherwise.
     """
@@ -36,6 +37,8 @@ class TrainerGroup:
         *,
         use_gpu: bool = False,
         placement_group=None,
+        bundle_offset: int = 0,
+        num_gpus_per_rank: float = 1.0,
         master_addr: str | None = None,
         master_port: int | None = None,
     ):
@@ -47,12 +50,13 @@ class TrainerGroup:
         actor = ray.remote(TrainerWorker)
         self.workers = []
         for r in range(num_ranks):
-            opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
+            # colocated with rollout engines: a fraction of the rank's GPU (the engine holds the rest)
+            opts = {"num_gpus": num_gpus_per_rank, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
             if placement_group is not None:
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=r
+                    placement_group=placement_group, placement_group_bundle_index=bundle_offset + r
                 )
             self.workers.append(actor.options(**opts).remote(r, num_ranks, addr, port, spec))
         # Constructors join the process group together; a failure in one surfaces here.
