@@ -46,6 +46,7 @@ class Run:
         self.tokenizer, self.rollout, self.trainer, self.reward = c.tokenizer, c.rollout, c.trainer, c.reward
         self.adv_estimator = c.trainer_spec.algo.adv_estimator
         self.colocated = c.rollout.spec.enable_sleep_mode  # GPU, rollout.placement=colocated
+        self.owns_ray = c.owns_ray
         self.loader = PromptLoader(c.train_prompts, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.eval_prompts: list[Prompt] = c.eval_prompts
         self.monitor = KLMonitor(cfg.monitor.k3_kl_max, cfg.monitor.k3_kl_trend_max, cfg.monitor.trend_window)
@@ -316,6 +317,10 @@ class Run:
                 part.shutdown() if hasattr(part, "shutdown") else part.close()
             except Exception as e:  # noqa: BLE001 - best effort on the way out; report, don't mask the real error
                 print(f"shutdown: {type(part).__name__}: {e}")
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()
 
 
 def mismatch_metrics(trainer_logp: list[np.ndarray], samples: list[Sample]) -> dict:

@@ -25,6 +25,7 @@ class Components:
     trainer: Any  # trainer.group.TrainerGroup
     reward: Any  # rl.reward.RewardPool
     trainer_spec: Any  # trainer.spec.TrainerSpec
+    owns_ray: bool  # this run started (or joined) Ray and shuts it down at the end
     model_path: str
     rollout_path: str
 
@@ -61,20 +62,22 @@ def load_prompts_for(cfg: SparkConfig, spec: str, tokenizer, split: str, rows: i
     return prompts
 
 
-def init_ray(cfg: SparkConfig) -> None:
+def init_ray(cfg: SparkConfig) -> bool:
+    """Connect to (or start) Ray; True when this call started or joined it, so the run should shut it down."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS") or None
     if address:
         ray.init(address=address)
-        return
+        return True
     # A local cluster: enough CPU slots for every worker even on a 2-core machine (they mostly wait on
     # each other); the dashboard stays on loopback.
     need = cfg.trainer.num_ranks + cfg.rollout.num_workers + 1
     ray.init(num_cpus=max(os.cpu_count() or 1, need), num_gpus=cfg.resources.num_gpus or None,
              include_dashboard=False, log_to_driver=True)
+    return True
 
 
 def trainer_spec(cfg: SparkConfig, model_path: str):
@@ -115,7 +118,7 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
     from rollout.staging import default_stage_root
     from trainer.group import TrainerGroup
 
-    init_ray(cfg)
+    owns_ray = init_ray(cfg)
     place = create_placement(cfg)  # a bad GPU layout fails here, before any data is read
     model_path, rollout_path = resolve_model_paths(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
@@ -130,5 +133,5 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
                            placement_group=place.placement_group, bundle_offset=place.trainer_bundle_offset,
                            num_gpus_per_rank=place.trainer_gpus_per_rank)
     reward = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend)
-    return Components(tokenizer, train_prompts, eval_prompts, rollout, trainer, reward, spec, model_path,
+    return Components(tokenizer, train_prompts, eval_prompts, rollout, trainer, reward, spec, owns_ray, model_path,
                       rollout_path)

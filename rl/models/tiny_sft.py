@@ -17,8 +17,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rl.data.arith import ArithSpec, make_rows, sft_response
 
 SPEC = ArithSpec(num_terms=2, max_operand=9, ops="+-")
-NOISE = 0.4
-STEPS = 400
+NOISE = 0.3
+STEPS = 500
 BATCH = 64
 LR = 3e-3
 EVAL_PROBLEMS = 256
