@@ -57,6 +57,8 @@ class ModelInfo:
 def read_model_info(model_path: str, trust_remote_code: bool = False) -> ModelInfo:
     from transformers import AutoConfig
 
+    import rl.models.muse  # noqa: F401 - AutoConfig must know muse_spark before vLLM's plugin loads it
+
     cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     text = getattr(cfg, "text_config", None) or cfg
     experts = next((getattr(text, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")

@@ -1,0 +1,82 @@
+"""Rollout throughput: output tokens/s at batch 1 to 256 on one engine.
+
+Each request is a distinct random prompt (no prefix-cache hits) that generates exactly `output_len`
+tokens (`ignore_eos`), sampled at temperature 1 with a per-request seed and the sampled token's log-prob,
+as `RolloutWorker.generate` asks for them; the timed region also holds the conversions `generate` does on
+the outputs (log-prob extraction, and with R3 the routed-experts check), since they are part of what R3
+costs a real rollout. Before timing, every batch size runs once with a few tokens, so that kernel
+compilation and autotuning at new shapes (Triton MoE / LoRA kernels) stay out of the timed runs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from bench.common import log
+
+WARMUP_TOKENS = 4
+
+
+def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, vocab - 1, size=(batch, prompt_len)).tolist()
+
+
+def timed_generate(worker, prompts: list[list[int]], output_len: int, seed: int) -> tuple[float, int]:
+    """(seconds, output tokens) of one batch through the worker's engine and adapter."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rollout.worker import check_routed_experts, sampled_logprobs
+
+    params = [
+        SamplingParams(
+            n=1,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=-1,
+            max_tokens=output_len,
+            ignore_eos=True,
+            seed=seed + i,
+            logprobs=0,
+        )
+        for i in range(len(prompts))
+    ]
+    capture = worker.spec.return_routed_experts and worker.info.is_moe
+    start = time.perf_counter()
+    outs = worker.llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=worker._lora, use_tqdm=False
+    )
+    tokens = 0
+    for p, out in zip(prompts, outs):
+        c = out.outputs[0]
+        ids = list(c.token_ids)
+        tokens += len(ids)
+        sampled_logprobs(ids, c.logprobs, "bench")
+        if capture:
+            check_routed_experts(
+                c.routed_experts, len(p) + len(ids) - 1, worker.info.top_k, worker.info.num_experts
+            )
+    return time.perf_counter() - start, tokens
+
+
+def sweep(worker, batch_sizes: list[int], prompt_len: int, output_len: int, vocab: int) -> list[dict]:
+    for b in batch_sizes:
+        timed_generate(worker, _prompts(b, prompt_len, vocab, seed=10_000 + b), WARMUP_TOKENS, seed=0)
+    rows = []
+    for b in batch_sizes:
+        seconds, tokens = timed_generate(worker, _prompts(b, prompt_len, vocab, seed=b), output_len, seed=1)
+        row = {
+            "batch": b,
+            "prompt_len": prompt_len,
+            "output_len": output_len,
+            "output_tokens": tokens,
+            "seconds": round(seconds, 4),
+            "tokens_per_s": tokens / seconds,
+            "ms_per_step": 1000 * seconds / output_len,
+        }  # prefill included
+        log(f"    batch {b:4d}: {row['tokens_per_s']:9.1f} tok/s ({row['ms_per_step']:.2f} ms/step)")
+        rows.append(row)
+    return rows

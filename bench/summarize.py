@@ -1,0 +1,486 @@
+"""Turn benchmark JSON (one or more $OUT folders of bench.run_all) into the markdown for docs/benchmarks.md.
+
+    python -m bench.summarize OUT_DIR [OUT_DIR ...] [--ref-response-len 2048] > block.md
+
+Rows of same-named files in several folders are merged (e.g. one folder per remote call). The goals of
+issue 11 come first, each with its measured figure and PASS / FAIL:
+  R3 cost      1 - tok/s(NVFP4+LoRA+R3) / tok/s(NVFP4+LoRA) <= 3 %, at every batch size measured;
+  sync share   adapter sync / step time <= 2 %: in the GRPO run (perf/sync_s / perf/step_s, medians) and,
+               for the recipe's step, the isolated sync (rank 32, all experts) over a modelled step (below);
+  trainer MFU  6 N T / s / measured bf16 matmul rate >= 30 %;
+  KL           k3 with R3 <= 1e-4 and below k3 without R3; GRPO per-step k3 <= 1e-4 (mean and max).
+Modelled step: the recipe's 32 prompts x 8 samples, each `--ref-prompt-len` + `--ref-response-len`
+tokens; rollout at the batch-256 decode rate of NVFP4+LoRA+R3 (optimistic: decode slows with context,
+so the modelled step is short and the sync share an upper bound), trainer log-probs + step at the measured
+trainer rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+BENCHES = ("rollout", "sync", "trainer", "kl", "grpo")
+CONFIGS = ("bf16", "bf16_lora", "nvfp4_lora", "nvfp4_lora_r3")
+GOALS = {"r3_cost": 0.03, "sync_share": 0.02, "mfu": 0.30, "k3": 1e-4}
+
+
+def load(dirs: list[Path]) -> tuple[list[dict], dict[str, list[dict]]]:
+    """(env.json of each folder, rows per benchmark)."""
+    envs, rows = [], {b: [] for b in BENCHES}
+    for d in dirs:
+        if (d / "env.json").exists():
+            envs.append(json.loads((d / "env.json").read_text()))
+        for b in BENCHES:
+            if (d / f"{b}.json").exists():
+                rows[b] += json.loads((d / f"{b}.json").read_text())["rows"]
+    return envs, rows
+
+
+def ok(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("status") == "ok"]
+
+
+def fmt(v, spec: str = ".3g") -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float) and spec.endswith("%"):
+        return f"{v:{spec}}"
+    return f"{v:{spec}}" if isinstance(v, int | float) else str(v)
+
+
+def table(header: list[str], body: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
+
+
+def verdict(passed: bool | None) -> str:
+    return "—" if passed is None else ("PASS" if passed else "FAIL")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Derived figures.
+
+
+def tps(rows: list[dict], model: str, config: str) -> dict[int, float]:
+    return {r["batch"]: r["tokens_per_s"] for r in ok(rows) if r["model"] == model and r["config"] == config}
+
+
+def ratios(rows: list[dict], model: str) -> dict[str, dict[int, float]]:
+    t = {c: tps(rows, model, c) for c in CONFIGS}
+
+    def rel(a, b, f):
+        return {k: f(t[a][k], t[b][k]) for k in t[a] if k in t[b]}
+
+    return {
+        "lora_overhead": rel("bf16_lora", "bf16", lambda x, y: 1 - x / y),
+        "nvfp4_gain": rel("nvfp4_lora", "bf16_lora", lambda x, y: x / y),
+        "r3_cost": rel("nvfp4_lora_r3", "nvfp4_lora", lambda x, y: 1 - x / y),
+    }
+
+
+def modelled_step(rows: dict, model: str, args) -> float | None:
+    roll = tps(rows["rollout"], model, "nvfp4_lora_r3")
+    tr = [r for r in ok(rows["trainer"]) if r["model"] == model]
+    if not roll or not tr:
+        return None
+    seqs = args.ref_prompts * args.ref_n
+    rollout_s = seqs * args.ref_response_len / roll[max(roll)]
+    tokens = seqs * (args.ref_prompt_len + args.ref_response_len)
+    return rollout_s + tokens / tr[0]["log_probs_tokens_per_s"] + tokens / tr[0]["train_tokens_per_s"]
+
+
+def sync_total(r: dict) -> float:
+    """Step 6 as a whole (export, transfer, load); older rows only have the pool's load time."""
+    return r.get("sync_total_s") or r["sync_s"]
+
+
+def grpo_share(rows: list[dict], model: str) -> tuple[float, float, float] | None:
+    g = [r for r in ok(rows) if r["model"] == model and r.get("step_s")]
+    if not g:
+        return None
+    sync, step = statistics.median(sync_total(r) for r in g), statistics.median(r["step_s"] for r in g)
+    return sync, step, sync / step
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sections.
+
+
+def environment(envs: list[dict]) -> list[str]:
+    if not envs:
+        return ["(no env.json)"]
+    e = envs[0]
+    v = e.get("versions", {})
+    dev = e.get("device", {})
+    lines = [
+        f"- Date: {', '.join(sorted({x['date_utc'] for x in envs}))}",
+        f"- GPU: {e.get('gpu') or dev.get('device')} (torch CUDA {dev.get('torch_cuda')}); "
+        f"bf16 matmul {fmt((e.get('matmul') or {}).get('tflops'), '.0f')} TFLOP/s measured",
+        "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        f"- Commit: {e.get('git_commit') or '—'}",
+    ]
+    lines += ["- Commands:"] + [f"  - `{x['command']}`" for x in envs]
+    return lines
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+
+
+def models_section(envs: list[dict]) -> list[str]:
+    seen, body = set(), []
+    for e in envs:
+        for name, m in (e.get("models") or {}).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            s, sft, p = m["spec"], m["sft"], m["params"]
+            shape = (
+                f"{s['layers']} layers, hidden {s['hidden']}, "
+                f"{s['heads']}/{s['kv_heads']} heads x {s['head_dim']}, "
+                f"{s['experts']} experts top-{s['top_k']} x {s['moe_intermediate']}"
+                + (f", latent {s['latent']}" if s.get("latent") else "")
+            )
+            body.append(
+                [
+                    name,
+                    shape,
+                    _count(p["total"]),
+                    _count(p["active"]),
+                    f"{sft['steps']} steps, loss {sft['final_loss']:.3f}",
+                    fmt(sft["heldout_acc"], ".2f"),
+                    fmt(sft["response_entropy"], ".3f"),
+                    f"{m['bytes']['bf16'] / 1e9:.2f} / {m['bytes']['nvfp4'] / 1e9:.2f}",
+                ]
+            )
+    return table(
+        [
+            "model",
+            "shape",
+            "params",
+            "active",
+            "SFT",
+            "held-out acc",
+            "entropy (nats/tok)",
+            "GB bf16 / nvfp4",
+        ],
+        body,
+    )
+
+
+def goals(rows: dict, models: list[str], args) -> list[str]:
+    body = []
+    for m in models:
+        r3 = ratios(rows["rollout"], m)["r3_cost"]
+        graphs = {
+            c: {r["graphs"] for r in ok(rows["rollout"]) if r["model"] == m and r["config"] == c}
+            for c in ("nvfp4_lora", "nvfp4_lora_r3")
+        }
+        if r3:
+            worst = max(r3.values())
+            same = graphs["nvfp4_lora"] == graphs["nvfp4_lora_r3"]
+            body.append(
+                [
+                    m,
+                    "R3 cost of rollout tok/s <= 3 % (every batch)",
+                    f"worst {worst:.1%} (batch {max(r3, key=r3.get)}), "
+                    f"{r3.get(max(r3), 0):.1%} at batch {max(r3)}"
+                    + ("" if same else f"; NOT COMPARABLE: CUDA graphs {graphs}"),
+                    verdict(worst <= GOALS["r3_cost"]) if same else "—",
+                ]
+            )
+        g = grpo_share(rows["grpo"], m)
+        if g:
+            body.append(
+                [
+                    m,
+                    "adapter sync <= 2 % of step (GRPO run)",
+                    f"{g[2]:.1%} ({g[0]:.2f} s of {g[1]:.2f} s)",
+                    verdict(g[2] <= GOALS["sync_share"]),
+                ]
+            )
+        step = modelled_step(rows, m, args)
+        sync = [
+            r
+            for r in ok(rows["sync"])
+            if r["model"] == m and r["rank"] == 32 and r["targets"] == "all" and r.get("total_s")
+        ]
+        if step and sync:
+            share = sync[0]["total_s"] / step
+            body.append(
+                [
+                    m,
+                    "adapter sync <= 2 % of step (recipe step, modelled)",
+                    f"{share:.1%} ({sync[0]['total_s']:.2f} s of {step:.0f} s)",
+                    verdict(share <= GOALS["sync_share"]),
+                ]
+            )
+        for r in ok(rows["trainer"]):
+            if r["model"] == m:
+                body.append(
+                    [
+                        m,
+                        "trainer MFU (6N) >= 30 %",
+                        f"{r['mfu_6n']:.1%} (4N: {r['mfu_4n']:.1%})",
+                        verdict(r["mfu_6n"] >= GOALS["mfu"]),
+                    ]
+                )
+        k = {r["row"]: r["k3_kl"] for r in ok(rows["kl"]) if r["model"] == m}
+        if "nvfp4_r3_on" in k:
+            off = k.get("nvfp4_r3_off")
+            passed = k["nvfp4_r3_on"] <= GOALS["k3"] and (off is None or k["nvfp4_r3_on"] < off)
+            body.append(
+                [
+                    m,
+                    "k3 KL with R3 <= 1e-4 and < R3 off",
+                    f"{k['nvfp4_r3_on']:.2e} (off {fmt(off, '.2e')})",
+                    verdict(passed),
+                ]
+            )
+        g = [r["k3_kl"] for r in ok(rows["grpo"]) if r["model"] == m]
+        if g:
+            body.append(
+                [
+                    m,
+                    f"GRPO per-step k3 <= 1e-4 ({len(g)} steps)",
+                    f"mean {statistics.mean(g):.2e}, max {max(g):.2e}",
+                    verdict(max(g) <= GOALS["k3"]),
+                ]
+            )
+    return table(["model", "goal", "measured", "verdict"], body)
+
+
+def rollout_section(rows: list[dict], models: list[str]) -> list[str]:
+    out = []
+    for m in models:
+        t = {c: tps(rows, m, c) for c in CONFIGS}
+        batches = sorted({b for v in t.values() for b in v})
+        if not batches:
+            continue
+        rat = ratios(rows, m)
+        body = [
+            [b]
+            + [fmt(t[c].get(b), ".0f") for c in CONFIGS]
+            + [
+                fmt(rat["lora_overhead"].get(b), ".1%"),
+                fmt(rat["nvfp4_gain"].get(b), ".2f"),
+                fmt(rat["r3_cost"].get(b), ".1%"),
+            ]
+            for b in batches
+        ]
+        r0 = next(r for r in ok(rows) if r["model"] == m)
+        graphs = sorted(
+            {
+                f"{r['config']}: {r['graphs']}"
+                + (f" ({r['cudagraph_mode']})" if r.get("cudagraph_mode") else "")
+                for r in ok(rows)
+                if r["model"] == m
+            }
+        )
+        out += [
+            f"**{m}**: output tokens/s, prompt {r0['prompt_len']} + {r0['output_len']} generated tokens a "
+            f"request; CUDA graphs {', '.join(graphs)}",
+            "",
+        ]
+        out += table(["batch", *CONFIGS, "LoRA overhead", "NVFP4 gain (x)", "R3 cost"], body) + [""]
+    return out
+
+
+def sync_section(rows: list[dict], shares: dict[str, float | None]) -> list[str]:
+    body = []
+    for r in ok(rows):
+        step = shares.get(r["model"])
+        body.append(
+            [
+                r["model"],
+                r["rank"],
+                r["targets"],
+                fmt(r.get("bytes", r["raw_bytes"]) / 1e6, ".1f"),
+                fmt(r["export_s"], ".3f"),
+                fmt(r.get("load_s"), ".3f"),
+                fmt(r.get("first_token_s"), ".3f"),
+                fmt(r.get("baseline_first_token_s"), ".3f"),
+                fmt(r.get("total_s"), ".3f"),
+                fmt(r.get("gb_per_s"), ".2f"),
+                fmt(r["total_s"] / step if step and r.get("total_s") else None, ".1%"),
+            ]
+        )
+    return table(
+        [
+            "model",
+            "rank",
+            "targets",
+            "MB",
+            "export s",
+            "load s",
+            "first token s",
+            "(no-sync token s)",
+            "total s",
+            "GB/s",
+            "of modelled step",
+        ],
+        body,
+    )
+
+
+def trainer_section(rows: list[dict]) -> list[str]:
+    body = [
+        [
+            r["model"],
+            f"{r['samples']} x {r['seq_len']}",
+            fmt(r["train_tokens_per_s"], ".0f"),
+            fmt(r["mfu_6n"], ".1%"),
+            fmt(r["mfu_4n"], ".1%"),
+            fmt(r["log_probs_tokens_per_s"], ".0f"),
+            fmt(r["log_probs_mfu_2n"], ".1%"),
+            fmt(r.get("peak_allocated_gib"), ".1f"),
+            fmt(r["matmul_tflops"], ".0f"),
+        ]
+        for r in ok(rows)
+    ]
+    return table(
+        [
+            "model",
+            "batch",
+            "train tok/s",
+            "MFU 6N",
+            "MFU 4N",
+            "log-probs tok/s",
+            "log-probs MFU",
+            "peak GiB",
+            "matmul TFLOP/s",
+        ],
+        body,
+    )
+
+
+def kl_section(rows: list[dict]) -> list[str]:
+    body = [
+        [
+            r["model"],
+            r["row"],
+            fmt(r["k3_kl"], ".2e"),
+            fmt(r["abs_logp_diff_p50"], ".2e"),
+            fmt(r["abs_logp_diff_p99"], ".2e"),
+            r["response_tokens"],
+            fmt(r.get("trainer_entropy"), ".3f"),
+            fmt(r.get("r3_replayed_fraction"), ".2f"),
+            fmt(r.get("adapter_mean_abs_logp_change"), ".2e"),
+            r.get("note") or "",
+        ]
+        for r in ok(rows)
+    ]
+    return table(
+        [
+            "model",
+            "row",
+            "k3 KL",
+            "abs dlogp p50",
+            "abs dlogp p99",
+            "tokens",
+            "entropy",
+            "replayed",
+            "adapter effect",
+            "note",
+        ],
+        body,
+    )
+
+
+def grpo_section(rows: list[dict]) -> list[str]:
+    body = [
+        [
+            r["model"],
+            r["step"],
+            fmt(r["k3_kl"], ".2e"),
+            fmt(r["reward_mean"], ".3f"),
+            fmt(r["entropy"], ".3f"),
+            fmt(r["step_s"], ".2f"),
+            fmt(r["rollout_s"], ".2f"),
+            fmt(r["train_s"], ".2f"),
+            fmt(sync_total(r), ".3f"),
+            fmt(sync_total(r) / r["step_s"] if r.get("step_s") else None, ".1%"),
+        ]
+        for r in ok(rows)
+    ]
+    return table(
+        [
+            "model",
+            "step",
+            "k3 KL",
+            "reward",
+            "entropy",
+            "step s",
+            "rollout s",
+            "train s",
+            "sync s",
+            "sync share",
+        ],
+        body,
+    )
+
+
+def not_run(rows: dict) -> list[str]:
+    out = []
+    for b, rs in rows.items():
+        for r in rs:
+            if r.get("status") != "ok":
+                what = ", ".join(
+                    f"{k}={r[k]}" for k in ("model", "config", "row", "rank", "targets") if k in r
+                )
+                out.append(f"- {b} ({what}): {r['status']}: {r.get('reason', '')[:300]}")
+    return out or ["- none"]
+
+
+def render(dirs: list[Path], args) -> str:
+    envs, rows = load(dirs)
+    models = sorted({r["model"] for rs in rows.values() for r in rs if "model" in r})
+    shares = {m: modelled_step(rows, m, args) for m in models}
+    parts = [
+        "### Environment",
+        *environment(envs),
+        "",
+        "### Models",
+        *models_section(envs),
+        "",
+        "### Goals",
+        *goals(rows, models, args),
+        "",
+        "### Rollout throughput",
+        *rollout_section(rows["rollout"], models),
+        "### Adapter sync",
+        *sync_section(rows["sync"], shares),
+        "",
+        "### Trainer",
+        *trainer_section(rows["trainer"]),
+        "",
+        "### Rollout-trainer KL (k3)",
+        *kl_section(rows["kl"]),
+        "",
+        "### GRPO run, per step",
+        *grpo_section(rows["grpo"]),
+        "",
+        "### Skipped or failed",
+        *not_run(rows),
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("dirs", nargs="+", type=Path)
+    p.add_argument("--ref-prompts", type=int, default=32)
+    p.add_argument("--ref-n", type=int, default=8)
+    p.add_argument("--ref-prompt-len", type=int, default=256)
+    p.add_argument("--ref-response-len", type=int, default=2048)
+    args = p.parse_args(argv)
+    print(render(args.dirs, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""bench/: the pieces that need no model or engine (summary and goals, plugin dist-info, argument defaults,
+trainer-benchmark samples). The whole flow runs with `python -m bench.run_all --tiny` (minutes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from argparse import Namespace
+from importlib.metadata import entry_points
+
+import numpy as np
+
+from bench import summarize
+from bench.common import PLUGIN_NAME, PLUGIN_VALUE, Results, write_plugin_dist
+from bench.engines import capture_sizes
+from bench.run_all import parse_args
+from bench.trainer import make_samples
+
+REF = Namespace(ref_prompts=32, ref_n=8, ref_prompt_len=256, ref_response_len=2048)
+
+
+def _write(tmp_path):
+    r = Results(tmp_path, "rollout")
+    for config, tps in (
+        ("bf16", 1000.0),
+        ("bf16_lora", 900.0),
+        ("nvfp4_lora", 1800.0),
+        ("nvfp4_lora_r3", 1760.0),
+    ):
+        for batch, scale in ((1, 0.1), (256, 1.0)):
+            r.add(
+                model="muse",
+                config=config,
+                graphs="full_decode",
+                batch=batch,
+                prompt_len=64,
+                output_len=128,
+                tokens_per_s=tps * scale,
+            )
+    Results(tmp_path, "sync").add(
+        model="muse",
+        rank=32,
+        targets="all",
+        raw_bytes=7e8,
+        bytes=7e8,
+        export_s=0.5,
+        load_s=1.0,
+        first_token_s=0.1,
+        total_s=1.6,
+        gb_per_s=0.44,
+    )
+    Results(tmp_path, "trainer").add(
+        model="muse",
+        samples=32,
+        seq_len=1024,
+        train_tokens_per_s=50_000.0,
+        log_probs_tokens_per_s=150_000.0,
+        mfu_6n=0.35,
+        mfu_4n=0.23,
+        log_probs_mfu_2n=0.2,
+        matmul_tflops=700.0,
+    )
+    kl = Results(tmp_path, "kl")
+    for row, k3 in (("nvfp4_r3_on", 8e-5), ("nvfp4_r3_off", 3e-4)):
+        kl.add(
+            model="muse",
+            row=row,
+            k3_kl=k3,
+            abs_logp_diff_p50=1e-3,
+            abs_logp_diff_p99=1e-2,
+            response_tokens=100,
+        )
+    kl.skip("budget", model="qwen3_moe", row="trainer scoring")
+    g = Results(tmp_path, "grpo")
+    for step in (1, 2):
+        g.add(
+            model="muse",
+            step=step,
+            k3_kl=8e-5 * step,
+            reward_mean=0.3,
+            entropy=0.2,
+            step_s=10.0,
+            rollout_s=6.0,
+            train_s=3.0,
+            sync_s=0.5,
+            sync_total_s=0.8,
+        )
+    (tmp_path / "env.json").write_text(
+        json.dumps(
+            {
+                "date_utc": "2026-01-01T00:00:00+00:00",
+                "command": "python -m x",
+                "versions": {"torch": "2"},
+                "matmul": {"tflops": 700.0},
+            }
+        )
+    )
+
+
+def test_goals_and_tables(tmp_path):
+    _write(tmp_path)
+    md = summarize.render([tmp_path], REF)
+    goals = md.split("### Goals")[1].split("###")[0]
+    assert "R3 cost of rollout tok/s <= 3 % (every batch)" in goals and "worst 2.2%" in goals
+    lines = {line.split("|")[2].strip(): line for line in goals.splitlines()[2:] if line.startswith("| ")}
+    assert "PASS" in lines["R3 cost of rollout tok/s <= 3 % (every batch)"]
+    assert "FAIL" in lines["adapter sync <= 2 % of step (GRPO run)"]  # 0.8 s of 10 s
+    assert "PASS" in lines["trainer MFU (6N) >= 30 %"]
+    assert "PASS" in lines["k3 KL with R3 <= 1e-4 and < R3 off"]
+    assert "FAIL" in lines["GRPO per-step k3 <= 1e-4 (2 steps)"]  # 8e-5 then 1.6e-4
+    assert "adapter sync <= 2 % of step (recipe step, modelled)" in lines
+    assert "| 256 | 1000 | 900 | 1800 | 1760 | 10.0% | 2.00 | 2.2% |" in md
+    assert "qwen3_moe" in md.split("### Skipped or failed")[1]
+
+
+def test_graphs_mismatch_is_not_judged(tmp_path):
+    _write(tmp_path)
+    rows = json.loads((tmp_path / "rollout.json").read_text())
+    for r in rows["rows"]:
+        if r["config"] == "nvfp4_lora_r3":
+            r["graphs"] = "eager"
+    (tmp_path / "rollout.json").write_text(json.dumps(rows))
+    md = summarize.render([tmp_path], REF)
+    assert "NOT COMPARABLE" in md
+
+
+def test_plugin_dist_info_is_discovered(tmp_path, monkeypatch):
+    write_plugin_dist(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == PLUGIN_NAME]
+    assert found and found[0].value == PLUGIN_VALUE
+    assert str(tmp_path) in sys.path
+
+
+def test_defaults_and_capture_sizes():
+    a = parse_args(["--tiny", "--only", "rollout,kl"])
+    assert a.graphs == "eager" and a.batch_sizes == [1, 4] and a.only == {"rollout", "kl"}
+    g = parse_args([])
+    assert g.batch_sizes == [1, 4, 16, 64, 256] and g.grpo_steps == 20 and g.sync_cases[-1] == (32, "all")
+    assert capture_sizes([1, 4, 100, 512], 256) == [1, 2, 4, 8, 16, 32, 64, 100, 128, 256]
+
+
+def test_trainer_samples_route_to_distinct_experts():
+    s = make_samples(2, 40, 8, vocab=384, layers=3, top_k=4, experts=8)
+    assert len(s[0].prompt_ids) == 8 and len(s[0].response_ids) == 32
+    r = s[1].routed_experts
+    assert r.shape == (39, 3, 4) and r.max() < 8
+    assert (np.sort(r, -1)[..., 1:] != np.sort(r, -1)[..., :-1]).all()
