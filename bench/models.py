@@ -358,17 +358,12 @@ def sft(model, tokenizer, spec: ModelSpec, device: str, log) -> dict:
 def heldout(model, tokenizer, spec: ModelSpec, device: str, n: int = 64) -> tuple[float, float]:
     """(sampled accuracy at temperature 1, mean entropy of the next-token distribution over the sampled
     response tokens, in nats): how peaked the model is where the benchmarks sample it."""
-    from rl.models.tiny_sft import _encode
+    from rl.models.tiny_sft import _encode, left_pad
     from rl.reward import score
 
     rows = sft_rows(spec, n, "heldout")
-    prompts = [_encode(tokenizer, r, "")[0] for r in rows]
-    width = max(map(len, prompts))
-    ids = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding for generation
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
+    ids, mask = left_pad([_encode(tokenizer, r, "")[0] for r in rows], tokenizer.pad_token_id)
+    width = ids.shape[1]
     torch.manual_seed(SEED)
     out = model.generate(
         input_ids=ids.to(device),

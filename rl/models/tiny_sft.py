@@ -83,6 +83,17 @@ def train(model, tokenizer, seed: int, steps: int = STEPS, noise: float = NOISE)
     return report
 
 
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input ids and attention mask: generation continues every row from the same column."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
 @torch.no_grad()
 def heldout_accuracy(
     model, tokenizer, seed: int, n: int = EVAL_PROBLEMS, temperature: float = 1.0, sample_seed: int | None = None
@@ -91,13 +102,8 @@ def heldout_accuracy(
     from rl.reward import score
 
     rows = make_rows(n, seed, SPEC, split="heldout")
-    prompts = [_encode(tokenizer, r, "")[0] for r in rows]
-    width = max(map(len, prompts))
-    ids = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding for generation
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
+    ids, mask = left_pad([_encode(tokenizer, r, "")[0] for r in rows], tokenizer.pad_token_id)
+    width = ids.shape[1]
     torch.manual_seed(seed if sample_seed is None else sample_seed)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=1.0,
                          top_k=0, max_new_tokens=24, pad_token_id=tokenizer.pad_token_id,
