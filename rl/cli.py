@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="output directory (must not exist)")
     p.set_defaults(func=_dequantize)
 
-    from rl import plan, quantize, report, submit, sweep
+    from rl import eval_run, plan, quantize, report, submit, sweep
 
+    eval_run.register(sub)
     report.register(sub)
     submit.register(sub)
     sweep.register(sub)

@@ -113,6 +113,16 @@ def test_dense_model_runs_adapter_only_sync(tmp_path, ray_cluster, tiny_dense_pa
     assert [r["adapter/version"] for r in records] == [1, 2]
     assert all(r["rollout_corr/k3_kl"] < 1e-3 for r in records)
 
+    # `sparkrl eval RUN_DIR` scores the newest checkpoint's adapter on fresh rollout workers.
+    from rl.eval_run import resolve_target, run_eval
+
+    cfg, adapter = resolve_target(str(tmp_path / "dense"), [], None)
+    assert adapter == tmp_path / "dense" / "checkpoints" / "step_2" / "trainer"
+    out = run_eval(cfg, adapter, "step_2")
+    assert set(out["metrics"]) == {f"val-core/synthetic/arith/acc/{m}@4" for m in ("mean", "maj", "best")}
+    lines = Path(out["records"]).read_text().splitlines()
+    assert len(lines) == 8 * 4  # eval_rows x k
+
 
 def test_sigterm_writes_a_checkpoint_then_exits(tmp_path, tiny_moe_sft_path):
     run_dir = tmp_path / "term"

@@ -1,0 +1,103 @@
+"""`sparkrl eval RECIPE|RUN_DIR [key=value ...] [--adapter DIR]`: mean@k / maj@k / best@k on the rollout workers.
+
+What is evaluated: the recipe's model, plus an adapter when one is given; for a run directory, its config
+and the adapter of its newest checkpoint (unless `--adapter` names another). Engines with a MoE-LoRA
+kernel load the adapter as such; in merged sync mode (vLLM on CPU) it is merged into the base weights
+with PEFT here and the merged weights are pushed instead. Per-sample records go to
+`<run dir>/eval/eval_<tag>.jsonl` and the metrics are printed and returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rl.checkpoint import latest_checkpoint
+from rl.config import SparkConfig, load_config, run_dir
+
+
+def resolve_target(recipe: str, overrides: list[str], adapter: str | None) -> tuple[SparkConfig, Path | None]:
+    cfg = load_config(recipe, overrides)
+    if adapter is None and Path(recipe).is_dir() and (Path(recipe) / "config.yaml").exists():
+        ckpt = latest_checkpoint(Path(recipe))
+        if ckpt is None:
+            raise FileNotFoundError(f"eval: run directory {recipe} has no checkpoint yet; pass --adapter DIR")
+        return cfg, ckpt / "trainer"
+    if adapter is not None and not (Path(adapter) / "adapter_config.json").exists():
+        raise FileNotFoundError(f"eval: --adapter {adapter} has no adapter_config.json (a PEFT adapter directory)")
+    return cfg, Path(adapter) if adapter else None
+
+
+def merged_weights(model_path: str, adapter: Path, dtype: str) -> dict:
+    """Base + adapter merged by PEFT, under checkpoint names (what RolloutWorker.load_merged_weights takes)."""
+    import torch
+    from peft import PeftModel
+
+    from rollout.adapter_layout import merged_to_checkpoint
+    from trainer.checkpoint_io import load_base_model
+
+    model = PeftModel.from_pretrained(load_base_model(model_path, getattr(torch, dtype)), str(adapter))
+    return merged_to_checkpoint(model.merge_and_unload().state_dict())
+
+
+def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dict:
+    import ray
+    from transformers import AutoTokenizer
+
+    from rl.evaluation import eval_metrics, records_from_samples, write_records
+    from rl.reward import RewardPool
+    from rl.setup import init_ray, load_prompts_for, resolve_model_paths
+    from rollout.pool import RolloutPool
+    from rollout.spec import PromptRequest, SamplingSpec, engine_spec_from_config
+    from rollout.staging import default_stage_root
+
+    if not cfg.eval.data:
+        raise ValueError("eval.data: empty; name an eval prompt source (e.g. BytedTsinghua-SIA/AIME-2024)")
+    model_path, rollout_path = resolve_model_paths(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    prompts = load_prompts_for(cfg, cfg.eval.data, tokenizer, "test", cfg.data.arith.eval_rows)
+    owns_ray = init_ray(cfg)
+    pool = RolloutPool(engine_spec_from_config(cfg, rollout_path), cfg.rollout.num_workers,
+                       stage_dir=str(default_stage_root(f"{cfg.run.name}-eval")))
+    try:
+        if adapter is not None:
+            if cfg.sync.mode == "adapter":
+                config = json.loads((adapter / "adapter_config.json").read_text())
+                pool.load_adapter(str(adapter), config, 1)
+            else:
+                pool.load_merged_weights(merged_weights(model_path, adapter, cfg.model.dtype), 1)
+        sampling = SamplingSpec(n=cfg.eval.k, temperature=max(cfg.eval.temperature, 1e-5), top_p=cfg.eval.top_p,
+                                max_tokens=cfg.eval.max_response_len, seed=cfg.rollout.seed)
+        samples = pool.generate([PromptRequest(p.prompt_ids, i, p.data_source, p.ground_truth)
+                                 for i, p in enumerate(prompts)], sampling)
+        responses = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+        with RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend) as reward:
+            reward.score_samples(samples, responses)
+        records = records_from_samples(samples, responses)
+        path = write_records(run_dir(cfg) / "eval" / f"eval_{tag}.jsonl", records)
+        metrics = eval_metrics(records, k=cfg.eval.k)
+    finally:
+        pool.shutdown()
+        if owns_ray:
+            ray.shutdown()
+    return {"metrics": metrics, "records": str(path)}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="mean@k, maj@k and best@k of a model (and adapter) on the rollout workers")
+    p.add_argument("recipe", help="recipe YAML, shipped recipe name, or a run directory (its newest checkpoint)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. eval.k=16")
+    p.add_argument("--adapter", default=None, help="PEFT adapter directory to evaluate on top of the model")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    cfg, adapter = resolve_target(args.recipe, args.overrides, args.adapter)
+    tag = adapter.parent.name if adapter is not None and adapter.name == "trainer" else "base" if adapter is None \
+        else adapter.name
+    out = run_eval(cfg, adapter, tag)
+    for key, value in out["metrics"].items():
+        print(f"{key} {value:.4f}")
+    print(f"eval: records at {out['records']}")
+    return 0
