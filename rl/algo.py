@@ -155,8 +155,9 @@ def compute_advantages(rewards, group_ids, estimator: str = "grpo", eps: float =
         raise ValueError(f"unknown advantage estimator {estimator!r}; known: {sorted(ADV_ESTIMATORS)}")
     rewards, ids = _check_rewards(rewards, group_ids)
     # verl's estimators loop over samples in Python: on CPU that is ~0.1 s for 8k samples, on a GPU it
-    # would be thousands of tiny kernels.
-    return ADV_ESTIMATORS[estimator](rewards.cpu(), ids, eps).to(rewards.device)
+    # would be thousands of tiny kernels. float64: in float32 the mean of equal rewards can miss them by
+    # an ulp, and that ulp divided by (std ~ 0) + eps gives a group of equal rewards advantages of ~0.2.
+    return ADV_ESTIMATORS[estimator](rewards.cpu().double(), ids, eps).to(rewards)
 
 
 # ----------------------------------------------------------------------------------------------------
