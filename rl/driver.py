@@ -29,7 +29,7 @@ from rl.config import SparkConfig, run_dir, save_config
 from rl.data.loader import Prompt, PromptLoader
 from rl.metrics import MetricsLogger
 from rl.monitor import KLMonitor, StopRun
-from rl.setup import build_components
+from rl.setup import build_components, prompt_requests, sampling_spec
 
 # Step-dependent sampling seeds: distinct per (run seed, step, request), identical on a resumed run.
 _SEED_STRIDE = 1_000_003
@@ -154,7 +154,7 @@ class Run:
         for draw in range(draws):
             prompts = self.loader.next_batch(want if draw == 0 else want - len({s.group for s in kept}))
             t = time.perf_counter()
-            samples = self.rollout.generate(self._requests(prompts, offset=draw * want),
+            samples = self.rollout.generate(prompt_requests(prompts, offset=draw * want),
                                             self._sampling(step * 64 + draw))
             gen_s += time.perf_counter() - t
             reward_errors += self._score(samples)
@@ -189,7 +189,7 @@ class Run:
         from rl.evaluation import eval_metrics, records_from_samples, records_path, write_records
 
         cfg = self.cfg
-        samples = self.rollout.generate(self._requests(self.eval_prompts),
+        samples = self.rollout.generate(prompt_requests(self.eval_prompts),
                                         self._sampling(-1 - step, eval=True))
         responses = self._score(samples, return_responses=True)
         records = records_from_samples(samples, responses)
@@ -204,21 +204,9 @@ class Run:
     # Pieces of the step
     # ------------------------------------------------------------------------------------------------
 
-    def _requests(self, prompts: list[Prompt], offset: int = 0):
-        from rollout.spec import PromptRequest
-
-        return [PromptRequest(p.prompt_ids, offset + i, p.data_source, p.ground_truth) for i, p in enumerate(prompts)]
-
     def _sampling(self, stream: int, eval: bool = False):
-        from rollout.spec import SamplingSpec
-
-        cfg = self.cfg
-        seed = (cfg.rollout.seed * _SEED_STRIDE + stream * 7919) % (2**31 - 1)
-        if eval:
-            return SamplingSpec(n=cfg.eval.k, temperature=max(cfg.eval.temperature, 1e-5), top_p=cfg.eval.top_p,
-                                max_tokens=cfg.eval.max_response_len, seed=seed)
-        return SamplingSpec(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                            max_tokens=cfg.rollout.max_response_len, seed=seed)
+        seed = (self.cfg.rollout.seed * _SEED_STRIDE + stream * 7919) % (2**31 - 1)
+        return sampling_spec(self.cfg, seed, eval=eval)
 
     def _score(self, samples: list[Sample], return_responses: bool = False):
         """Fill reward/acc/pred of every sample (with DAPO overlong shaping); the error count or responses."""
@@ -249,7 +237,7 @@ class Run:
         train_metrics["train/skipped_steps"] = self.skipped_total
 
     def _has_eval(self) -> bool:
-        return bool(self.eval_prompts) and self.cfg.eval.every >= 0
+        return bool(self.eval_prompts)
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.eval.every

@@ -47,9 +47,9 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
 
     from rl.evaluation import eval_metrics, records_from_samples, write_records
     from rl.reward import RewardPool
-    from rl.setup import init_ray, load_prompts_for, resolve_model_paths
+    from rl.setup import init_ray, load_prompts_for, prompt_requests, resolve_model_paths, sampling_spec
     from rollout.pool import RolloutPool
-    from rollout.spec import PromptRequest, SamplingSpec, engine_spec_from_config
+    from rollout.spec import engine_spec_from_config
     from rollout.staging import default_stage_root
 
     if not cfg.eval.data:
@@ -67,10 +67,7 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
                 pool.load_adapter(str(adapter), config, 1)
             else:
                 pool.load_merged_weights(merged_weights(model_path, adapter, cfg.model.dtype), 1)
-        sampling = SamplingSpec(n=cfg.eval.k, temperature=max(cfg.eval.temperature, 1e-5), top_p=cfg.eval.top_p,
-                                max_tokens=cfg.eval.max_response_len, seed=cfg.rollout.seed)
-        samples = pool.generate([PromptRequest(p.prompt_ids, i, p.data_source, p.ground_truth)
-                                 for i, p in enumerate(prompts)], sampling)
+        samples = pool.generate(prompt_requests(prompts), sampling_spec(cfg, cfg.rollout.seed, eval=True))
         responses = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         with RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend) as reward:
             reward.score_samples(samples, responses)

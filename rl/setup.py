@@ -80,6 +80,24 @@ def init_ray(cfg: SparkConfig) -> bool:
     return True
 
 
+def prompt_requests(prompts: list[Prompt], offset: int = 0) -> list:
+    """One rollout request per prompt; its index (plus `offset`) is the group id of its samples."""
+    from rollout.spec import PromptRequest
+
+    return [PromptRequest(p.prompt_ids, offset + i, p.data_source, p.ground_truth) for i, p in enumerate(prompts)]
+
+
+def sampling_spec(cfg: SparkConfig, seed: int, eval: bool = False):
+    """The training (`rollout.*`) or evaluation (`eval.*`) sampling settings, seeded with `seed`."""
+    from rollout.spec import SamplingSpec
+
+    if eval:
+        return SamplingSpec(n=cfg.eval.k, temperature=max(cfg.eval.temperature, 1e-5), top_p=cfg.eval.top_p,
+                            max_tokens=cfg.eval.max_response_len, seed=seed)
+    return SamplingSpec(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                        max_tokens=cfg.rollout.max_response_len, seed=seed)
+
+
 def trainer_spec(cfg: SparkConfig, model_path: str):
     from rl.algo import AlgoConfig
     from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
@@ -124,7 +142,7 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_prompts = load_prompts_for(cfg, cfg.data.train, tokenizer, "train", cfg.data.arith.train_rows)
     eval_prompts = (load_prompts_for(cfg, cfg.eval.data, tokenizer, "test", cfg.data.arith.eval_rows)
-                    if cfg.eval.data and cfg.eval.every >= 0 else [])
+                    if cfg.eval.data else [])
     rollout = RolloutPool(engine_spec_from_config(cfg, rollout_path), cfg.rollout.num_workers,
                           stage_dir=str(default_stage_root(cfg.run.name)), placement_group=place.placement_group,
                           bundle_indices=place.rollout_bundles, actor_options=place.rollout_options)
