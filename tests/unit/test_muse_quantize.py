@@ -99,3 +99,60 @@ def test_register_adds_the_quantize_subcommand():
     args = parser.parse_args(["quantize", "a", "b", "--scheme", "nvfp4"])
     assert (args.command, args.src, args.dst, args.scheme) == ("quantize", "a", "b", "nvfp4")
     assert callable(args.func)
+
+
+def test_fused_projections_share_one_global_scale(quantized):
+    """vLLM keeps one global scale per fused weight (qkv_proj, gate_up_proj, experts' w13): the members of
+    each group must have been quantized with the same one, taken from the group's overall range."""
+    from trainer.nvfp4 import FUSED_GROUPS
+
+    arch, src, q, _ = quantized
+    t, original = _tensors(q), _tensors(src)
+    groups = 0
+    for name in t:
+        if not name.endswith(".q_proj.weight_global_scale") and not name.endswith(
+            ".gate_proj.weight_global_scale"
+        ):
+            continue
+        parent = name.rsplit(".", 2)[0]
+        members = next(g for g in FUSED_GROUPS if name.rsplit(".", 2)[1] in g)
+        scales = [t[f"{parent}.{m}.weight_global_scale"] for m in members]
+        assert all(torch.equal(s, scales[0]) for s in scales), (arch, parent)
+        # The shared scale comes from the largest magnitude in the group (FP8 max * FP4 max / amax).
+        amax = max(original[f"{parent}.{m}.weight"].float().abs().max() for m in members)
+        torch.testing.assert_close(scales[0], torch.tensor([448.0 * 6.0]) / amax, rtol=1e-5, atol=0)
+        groups += 1
+    assert groups > 0, f"{arch}: no fused q/k/v or gate/up group found"
+
+
+def test_a_fused_group_split_across_shards_still_shares_its_scale(tmp_path, tiny_moe_path):
+    """Sharded checkpoints (every real one) can put q_proj and k_proj in different files: compressed-tensors
+    loads the group together through the converter's dependencies."""
+    from safetensors.torch import save_file
+
+    from trainer.nvfp4 import quantize_nvfp4
+
+    src = tmp_path / "sharded"
+    src.mkdir()
+    for f in tiny_moe_path.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            (src / f.name).write_bytes(f.read_bytes())
+    tensors = _tensors(tiny_moe_path)
+    names = sorted(tensors)
+    # q/k/v and gate/up of one layer land in different shards: alternate by name.
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k].contiguous() for k in keys}, src / shard)
+        weight_map.update(dict.fromkeys(keys, shard))
+    assert weight_map["model.layers.0.self_attn.q_proj.weight"] != weight_map["model.layers.0.self_attn.k_proj.weight"]
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    q = _tensors(quantize_nvfp4(src, tmp_path / "nvfp4"))
+    prefix = "model.layers.0.self_attn"
+    for m in ("q_proj", "k_proj", "v_proj"):
+        assert f"{prefix}.{m}.weight_packed" in q and f"{prefix}.{m}.weight" not in q
+    assert torch.equal(q[f"{prefix}.q_proj.weight_global_scale"], q[f"{prefix}.k_proj.weight_global_scale"])
+    assert torch.equal(q[f"{prefix}.q_proj.weight_global_scale"], q[f"{prefix}.v_proj.weight_global_scale"])
+    e = "model.layers.1.mlp.experts.3"
+    assert torch.equal(q[f"{e}.gate_proj.weight_global_scale"], q[f"{e}.up_proj.weight_global_scale"])
