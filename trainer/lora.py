@@ -11,6 +11,7 @@ import json
 
 import torch
 from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from trainer.spec import LoraSpec
@@ -77,6 +78,17 @@ def apply_lora(model: nn.Module, spec: LoraSpec, seed: int, init_lora_weights: b
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
+        # Draw the LoRA weights once more, on CPU and in module order, with PEFT's own initialiser: the
+        # values then do not depend on where the base weights are. On the meta device (the sharded
+        # trainer, trainer/sharded_load.py) PEFT's first draw followed the base weights to meta and was lost.
+        torch.manual_seed(seed)
+        for module in peft_model.modules():
+            if isinstance(module, LoraLayer) and ADAPTER_NAME in module.lora_A:
+                for part in (module.lora_A[ADAPTER_NAME], module.lora_B[ADAPTER_NAME]):
+                    if any(p.is_meta for p in part.parameters()):
+                        part.to_empty(device="cpu")
+                    part.reset_parameters()  # nn.Linear's init: what init_lora_weights=False keeps
+                module.reset_lora_parameters(ADAPTER_NAME, init_lora_weights)
     for p in peft_model.parameters():
         if p.requires_grad:
             p.data = p.data.float()

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from rl import algo
 from rl.batch import Sample
 from rl.compat import hf_checkpoint_state_dict
-from trainer import checkpoint_io, lora
+from trainer import checkpoint_io, lora, sharded_load
 from trainer.batching import MicroBatch, check_lengths, make_micro_batch, pack_micro_batches
 from trainer.optim import make_optimizer
 from trainer.parallelize import parallelize
@@ -80,11 +80,14 @@ class TrainerWorker:
 
         path = checkpoint_io.resolve_base_model(spec.model_path, rank == 0, dist.barrier)
         dtype = getattr(torch, spec.dtype)
-        base = checkpoint_io.load_base_model(path, dtype)
+        # The model is built, LoRA-wrapped and sharded on the meta device; each rank then reads only its
+        # own rows of the base weights (trainer/sharded_load.py): host memory per rank ~ its shard.
+        base = sharded_load.build_empty_model(path, dtype)
         self.hf_model = base  # the causal LM inside the PEFT wrapper: FSDP root
         self.model = lora.apply_lora(base, spec.lora, spec.seed, spec.lora.init_lora_weights)
         self.replay = RoutingReplay(base) if moe_routers(base) else None
         self.pad_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0
+        kept = sharded_load.hold_aside(self.model)
         parallelize(
             base,
             base.model.layers,
@@ -92,6 +95,7 @@ class TrainerWorker:
             compute_dtype=dtype,
             activation_checkpointing=spec.activation_checkpointing,
         )
+        sharded_load.materialize(self.model, path, self.device, kept)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, spec.optim)
         self.step = 0

@@ -1,0 +1,204 @@
+"""Loading the frozen base weights shard by shard: every rank reads only the rows it keeps.
+
+The trainer builds the model with its parameters on the meta device (accelerate's `init_empty_weights`,
+buffers stay real), wraps it with PEFT and FSDP2 there, and only then allocates its own shard of every
+parameter and fills it from the safetensors files (`get_slice`, memory-mapped). Peak host memory per rank
+is its shard, not the model: an 816B checkpoint never sits whole in one process, and no rank broadcasts.
+
+FSDP2 shards every parameter on dim 0 (torch.chunk's split: ceil(N / world) rows per rank, the last ranks
+may get fewer or none). Fused MoE experts (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]
+in transformers 5) are stored per expert on disk; dim 0 is the expert, so a rank reads only its experts'
+`gate_proj`/`up_proj`/`down_proj` and fuses them as transformers' own conversion does (gate then up).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+# Segments that wrappers add to parameter names: PEFT's prefix and base layers, activation checkpointing.
+_PEFT_SEGMENTS = re.compile(r"(^base_model\.model\.)|(\.base_layer(?=\.))")
+_CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)$")
+
+
+def build_empty_model(path: str, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of `path` with every parameter on the meta device and real buffers (rotary tables)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import rl.models.muse  # noqa: F401 - registers Muse Spark with the Auto classes
+
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without activation checkpointing's wrapper segment (the PEFT model's name)."""
+    return name.replace(_CHECKPOINT_WRAPPER, "")
+
+
+def checkpoint_name(name: str) -> str:
+    """A wrapped model's parameter name -> the name transformers gives it (the checkpoint's)."""
+    return _PEFT_SEGMENTS.sub("", unwrapped_name(name))
+
+
+def hold_aside(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Moves `model` wholly to the meta device, returning the values it held that are not on meta (the
+    LoRA weights, the buffers) by unwrapped name, for `materialize` to put back into the shards."""
+    kept = {
+        unwrapped_name(n): t.detach().clone()
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if not t.is_meta
+    }
+    model.to("meta")
+    return kept
+
+
+class CheckpointRows:
+    """Row ranges of a safetensors checkpoint's tensors, read without loading whole files."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(
+                    f"{self.path}: no *.safetensors files and no index to load weights from"
+                )
+            weight_map = {}
+            for f in files:
+                with safe_open(f, "pt") as s:
+                    weight_map.update(dict.fromkeys(s.keys(), f.name))
+        self.weight_map: dict[str, str] = weight_map
+        self._stack = ExitStack()
+        self._open: dict[str, object] = {}
+        self.bytes_read = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def _slice(self, name: str):
+        file = self.weight_map[name]
+        if file not in self._open:
+            self._open[file] = self._stack.enter_context(safe_open(self.path / file, "pt"))
+        return self._open[file].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        m = _FUSED_EXPERTS.match(name)
+        if name in self.weight_map:
+            return tuple(self._slice(name).get_shape())
+        if m and f"{m['prefix']}.0.down_proj.weight" in self.weight_map:
+            n = sum(
+                1
+                for k in self.weight_map
+                if re.fullmatch(rf"{re.escape(m['prefix'])}\.\d+\.down_proj\.weight", k)
+            )
+            if m["param"] == "down_proj":
+                return (n, *self._slice(f"{m['prefix']}.0.down_proj.weight").get_shape())
+            gate = self._slice(f"{m['prefix']}.0.gate_proj.weight").get_shape()
+            return (n, 2 * gate[0], gate[1])
+        raise KeyError(
+            f"{self.path}: the checkpoint has no tensor for the model's parameter {name!r} "
+            f"(and no per-expert tensors to fuse it from)"
+        )
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) on dim 0 of the model's tensor `name` (a transformers parameter name)."""
+        out = self._rows(name, start, stop)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if name in self.weight_map:
+            sl = self._slice(name)
+            return sl[start:stop] if sl.get_shape() else sl[:]
+        m = _FUSED_EXPERTS.match(name)
+        if m is None:
+            self.shape(name)  # raises the error that names the tensor
+        prefix = m["prefix"]
+        if m["param"] == "down_proj":
+            experts = [self._slice(f"{prefix}.{e}.down_proj.weight")[:] for e in range(start, stop)]
+        else:
+            experts = [
+                torch.cat(
+                    [
+                        self._slice(f"{prefix}.{e}.gate_proj.weight")[:],
+                        self._slice(f"{prefix}.{e}.up_proj.weight")[:],
+                    ]
+                )
+                for e in range(start, stop)
+            ]
+        if not experts:
+            return torch.empty(
+                (0, *self.shape(name)[1:]),
+                dtype=self._slice(f"{prefix}.0.down_proj.weight").get_dtype_torch(),
+            )
+        return torch.stack(experts)
+
+
+def _local_rows(param: torch.Tensor) -> tuple[int, int]:
+    """[start, stop) of the global dim-0 rows this rank holds of an FSDP2 (Shard(0)) parameter."""
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0] if param.dim() else 0
+    if any(not isinstance(p, Shard) or p.dim != 0 for p in param.placements):
+        raise ValueError(f"sharded load expects FSDP2's Shard(0) placement, got {param.placements}")
+    world, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
+    n = param.shape[0]
+    chunk = -(-n // world)
+    start = min(rank * chunk, n)
+    return start, min(start + chunk, n)
+
+
+@torch.no_grad()
+def materialize(
+    model: nn.Module, path: str | Path, device: torch.device, kept: dict[str, torch.Tensor]
+) -> None:
+    """Allocates this rank's shard of every (meta) parameter on `device` and fills it: from `kept` (what
+    `hold_aside` took: LoRA weights, buffers) or else from the checkpoint at `path`."""
+    model.to_empty(device=device)
+    with CheckpointRows(path) as ckpt:
+        for name, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            start, stop = _local_rows(param)
+            held = kept.get(unwrapped_name(name))
+            if held is not None:
+                value = held[start:stop] if param.dim() else held
+            else:
+                source = checkpoint_name(name)
+                have, want = ckpt.shape(source), tuple(param.shape)
+                if have != want:
+                    raise ValueError(
+                        f"{path}: {source} has shape {list(have)}, the model expects {list(want)}"
+                    )
+                value = ckpt.rows(source, start, stop)
+            if tuple(value.shape) != tuple(local.shape):
+                raise RuntimeError(
+                    f"{name}: local shard {tuple(local.shape)} but {tuple(value.shape)} was read"
+                )
+            local.copy_(value)
+        for name, buf in model.named_buffers():
+            source = checkpoint_name(name)
+            held = kept.get(unwrapped_name(name))
+            if source in ckpt.weight_map:  # a persistent buffer saved with the model
+                buf.copy_(ckpt.rows(source, 0, buf.shape[0] if buf.dim() else 0))
+            elif held is not None:
+                buf.copy_(held)
+            else:
+                raise RuntimeError(f"buffer {name}: not in {path} and no value held aside")
+        return ckpt.bytes_read
