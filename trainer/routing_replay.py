@@ -56,7 +56,9 @@ def _register_muse() -> None:
     from rl.models.muse import MuseSparkTopKRouter
 
     # The Muse router implements its own replay (same output triple as Qwen3-MoE's router).
-    register_router(MuseSparkTopKRouter)(lambda router, output, ids, valid: router.replay_output(output, ids, valid))
+    register_router(MuseSparkTopKRouter)(
+        lambda router, output, ids, valid: router.replay_output(output, ids, valid)
+    )
 
 
 _register_qwen3_moe()

@@ -145,7 +145,10 @@ def test_a_fused_group_split_across_shards_still_shares_its_scale(tmp_path, tiny
     for shard, keys in shards.items():
         save_file({k: tensors[k].contiguous() for k in keys}, src / shard)
         weight_map.update(dict.fromkeys(keys, shard))
-    assert weight_map["model.layers.0.self_attn.q_proj.weight"] != weight_map["model.layers.0.self_attn.k_proj.weight"]
+    assert (
+        weight_map["model.layers.0.self_attn.q_proj.weight"]
+        != weight_map["model.layers.0.self_attn.k_proj.weight"]
+    )
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
     q = _tensors(quantize_nvfp4(src, tmp_path / "nvfp4"))

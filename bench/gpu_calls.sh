@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The remote calls that made the figures in docs/benchmarks.md, one `run` each on the GPU machine (repo
+# root as working directory, $OUT the folder that comes back). The kit parts (../shared/gpu/pack.sh) must
+# have been copied to /tmp/kit first; `install` unpacks them once per machine.
+#
+#   bash bench/gpu_calls.sh install tests      # vLLM kit, then the gpu-marked tests of issues 5 and 9
+#   bash bench/gpu_calls.sh r3                 # Muse: NVFP4+LoRA with and without R3: rollout, KL
+#   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse and Qwen3-MoE shapes
+#   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
+#
+# One engine per process (a second vLLM engine started in the same process after the first shut down
+# hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
+# `python -m bench.summarize $OUT/*` merges them.
+set -uo pipefail
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT0="${OUT:-./bench_out}"
+bench() {  # bench NAME ARGS...: one bench.run_all process writing $OUT0/NAME
+  local name=$1
+  shift
+  mkdir -p "$OUT0/$name"
+  OUT="$OUT0/$name" python3 -m bench.run_all "$@" >"$OUT0/$name/stdout.txt" 2>&1
+  echo "== $name rc=$?"
+  grep -E '^\[' "$OUT0/$name/log.txt" | tail -40
+}
+
+for call in "$@"; do
+  case $call in
+  install)
+    if [ ! -d /tmp/site/vllm ]; then
+      cat /tmp/kit/k0* | tar x -C /tmp/kit &&
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/kit/*.whl \
+          >"$OUT0/install.txt" 2>&1
+      echo "== install rc=$?"
+    fi
+    ;;
+  tests)
+    VLLM_WORKER_MULTIPROC_METHOD=spawn python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+      tests/integration/test_rollout_gpu.py tests/integration/test_muse_gpu.py >"$OUT0/tests_gpu.txt" 2>&1
+    echo "== tests rc=$?"
+    grep -E '^(PASSED|FAILED|ERROR)|passed|failed|dlogp|gap|sleep' "$OUT0/tests_gpu.txt" | tail -30
+    ;;
+  r3)
+    bench muse_nvfp4_lora_r3 --models muse --only build,rollout,kl --engines nvfp4_lora_r3 --budget-s 300
+    bench muse_nvfp4_lora --models muse --only rollout --engines nvfp4_lora --budget-s 170
+    ;;
+  trainer)
+    bench muse_trainer --models muse --only build,trainer --budget-s 150
+    bench qwen3_moe_trainer --models qwen3_moe --only build,trainer --budget-s 330
+    ;;
+  bf16)
+    bench muse_bf16 --models muse --only build,rollout,kl --engines bf16 --budget-s 260
+    bench muse_bf16_lora --models muse --only rollout --engines bf16_lora --budget-s 230
+    ;;
+  *)
+    echo "unknown call $call" >&2
+    exit 2
+    ;;
+  esac
+done
