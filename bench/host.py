@@ -150,7 +150,41 @@ def log_probs(name: str, samples):
     return out, metrics, time.perf_counter() - t
 
 
-def train_bench(name: str, samples, warmup: int, steps: int) -> dict:
+def _profile_step(w, samples, adv, old) -> dict:
+    """One train_step under torch.profiler: where the device time goes (top ops by self device time) and
+    how busy the device was (kernel time / wall time), to tell matmul-bound from overhead-bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    _sync()
+    t = time.perf_counter()
+    with profile(activities=activities) as prof:
+        w.train_step(samples, adv, old)
+        _sync()
+    wall = time.perf_counter() - t
+    events = prof.key_averages()
+    device = (
+        "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    )
+    busy_us = sum(getattr(e, device, 0) for e in events)
+    top = sorted(events, key=lambda e: getattr(e, device, 0), reverse=True)[:20]
+    return {
+        "wall_s": wall,
+        "device_busy_s": busy_us / 1e6,
+        "device_busy_fraction": busy_us / 1e6 / wall if wall else None,
+        "top_ops": [
+            {
+                "name": e.key[:120],
+                "calls": e.count,
+                "device_ms": getattr(e, device, 0) / 1e3,
+                "cpu_ms": e.self_cpu_time_total / 1e3,
+            }
+            for e in top
+        ],
+    }
+
+
+def train_bench(name: str, samples, warmup: int, steps: int, profile: bool = False) -> dict:
     """Time log_probs (forward) and train_step (forward + backward + AdamW) on one fixed batch."""
     w = _TRAINERS[name]
     rng = np.random.default_rng(0)
@@ -179,6 +213,8 @@ def train_bench(name: str, samples, warmup: int, steps: int) -> dict:
     if torch.cuda.is_available():
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    if profile:
+        out["profile"] = _profile_step(w, samples, adv, old)
     return out
 
 

@@ -5,7 +5,9 @@ tokens (`ignore_eos`), sampled at temperature 1 with a per-request seed and the 
 as `RolloutWorker.generate` asks for them; the timed region also holds the conversions `generate` does on
 the outputs (log-prob extraction, and with R3 the routed-experts check), since they are part of what R3
 costs a real rollout. Before timing, every batch size runs once with a few tokens, so that kernel
-compilation and autotuning at new shapes (Triton MoE / LoRA kernels) stay out of the timed runs.
+compilation and autotuning at new shapes (Triton MoE / LoRA kernels) stay out of the timed runs; then each
+batch size is timed REPEATS times on fresh prompts and the median is the figure (single runs differed by
+up to 4x at small batches on the H200, which made a 3 % R3 budget unreadable).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from bench.common import log
 
 WARMUP_TOKENS = 4
+REPEATS = 3
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -62,21 +65,33 @@ def timed_generate(worker, prompts: list[list[int]], output_len: int, seed: int)
     return time.perf_counter() - start, tokens
 
 
-def sweep(worker, batch_sizes: list[int], prompt_len: int, output_len: int, vocab: int) -> list[dict]:
+def sweep(
+    worker, batch_sizes: list[int], prompt_len: int, output_len: int, vocab: int, repeats: int = REPEATS
+) -> list[dict]:
     for b in batch_sizes:
         timed_generate(worker, _prompts(b, prompt_len, vocab, seed=10_000 + b), WARMUP_TOKENS, seed=0)
     rows = []
     for b in batch_sizes:
-        seconds, tokens = timed_generate(worker, _prompts(b, prompt_len, vocab, seed=b), output_len, seed=1)
+        runs = [
+            timed_generate(worker, _prompts(b, prompt_len, vocab, seed=b + 1000 * r), output_len, seed=1 + r)
+            for r in range(repeats)
+        ]
+        rates = [tokens / seconds for seconds, tokens in runs]
+        median = float(np.median(rates))
         row = {
             "batch": b,
             "prompt_len": prompt_len,
             "output_len": output_len,
-            "output_tokens": tokens,
-            "seconds": round(seconds, 4),
-            "tokens_per_s": tokens / seconds,
-            "ms_per_step": 1000 * seconds / output_len,
-        }  # prefill included
-        log(f"    batch {b:4d}: {row['tokens_per_s']:9.1f} tok/s ({row['ms_per_step']:.2f} ms/step)")
+            "output_tokens": runs[0][1],
+            "repeats": repeats,
+            "seconds": [round(seconds, 4) for seconds, _ in runs],
+            "tokens_per_s": median,
+            "tokens_per_s_all": [round(x, 1) for x in rates],
+            "ms_per_step": 1000 * b / median,  # prefill included
+        }
+        log(
+            f"    batch {b:4d}: {median:9.1f} tok/s (median of {repeats}: "
+            f"{', '.join(f'{x:.0f}' for x in rates)}; {row['ms_per_step']:.2f} ms/step)"
+        )
         rows.append(row)
     return rows

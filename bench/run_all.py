@@ -46,6 +46,7 @@ DEFAULTS = {
     "train_prompt_len": (256, 16),
     "train_warmup": (1, 0),
     "train_steps": (3, 1),
+    "train_micro_tokens": ("16384,32768,65536", "16384,4096"),
     "matmul_n": (8192, 256),
     "grpo_steps": (20, 2),
     "grpo_batch": (32, 4),
@@ -92,6 +93,7 @@ def parse_args(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, tiny if args.tiny else gpu)
     args.batch_sizes = [int(b) for b in str(args.batch_sizes).split(",")]
+    args.train_micro_tokens = [int(t) for t in str(args.train_micro_tokens).split(",")]
     args.models = [m for m in args.models.split(",") if m]
     args.only = set(args.only.split(","))
     if args.only - set(BENCHES):
@@ -143,7 +145,9 @@ class ModelRun:
         self.engine_info: dict[str, dict] = {}  # graphs, start time, note per engine key
 
     # -- trainers --------------------------------------------------------------------------------
-    def trainer(self, tag: str, weights: str, rank: int, targets: str, ac: bool = False) -> str:
+    def trainer(
+        self, tag: str, weights: str, rank: int, targets: str, ac: bool = False, micro_batch_tokens: int = 0
+    ) -> str:
         from bench.trainer import trainer_spec
 
         name = f"{self.name}/{tag}"
@@ -156,6 +160,7 @@ class ModelRun:
                 self.args.tiny,
                 ac=ac,
                 max_seq_len=max(4096, self.args.train_seq_len),
+                **({"micro_batch_tokens": micro_batch_tokens} if micro_batch_tokens else {}),
             )
             info = self.host.call("create_trainer", name, spec)
             self.trainers.add(name)
@@ -369,11 +374,26 @@ class ModelRun:
             return
         for name in list(self.trainers - {f"{self.name}/main"}):
             self.drop(name)  # alone on the GPU: peak memory is the trainer's own
-        try:
-            row = trainer.run(self.host, self.main_trainer(), self.model, self.args, self.args.matmul)
-            self.res["trainer"].add(model=self.name, **row)
-        except Exception as e:  # noqa: BLE001
-            self.res["trainer"].error(e, model=self.name)
+        for i, tokens in enumerate(self.args.train_micro_tokens):
+            if i and not self.budget.allows(ESTIMATE_S["trainer"] + ESTIMATE_S["train_bench"]):
+                self.res["trainer"].skip("budget", model=self.name, micro_batch_tokens=tokens)
+                continue
+            name = None
+            try:
+                if tokens == trainer.MICRO_BATCH_TOKENS:
+                    name = self.main_trainer()
+                else:
+                    for other in list(self.trainers):
+                        self.drop(other)  # alone on the GPU, so that the peak memory is this trainer's
+                    name = self.trainer(f"main_mb{tokens}", "dq", engines.LORA_RANK, "all", True, tokens)
+                row = trainer.run(
+                    self.host, name, self.model, self.args, self.args.matmul, tokens, profile=i == 0
+                )
+                self.res["trainer"].add(model=self.name, **row)
+            except Exception as e:  # noqa: BLE001
+                self.res["trainer"].error(e, model=self.name, micro_batch_tokens=tokens)
+            if name and not name.endswith("/main"):
+                self.drop(name)
 
 
 def main(argv=None) -> int:

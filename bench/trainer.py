@@ -3,7 +3,8 @@
 One fixed batch of `samples` sequences of `seq_len` random tokens (the last `seq_len - prompt_len` are the
 response), with R3 replay of random top-k routing (uniform expert load), through TrainerWorker.log_probs
 (forward) and TrainerWorker.train_step (forward + backward + AdamW on the LoRA weights), with the recipe's
-LoRA (rank 32, attention + experts (+ Muse latent)), activation checkpointing and 16k-token micro-batches.
+LoRA (rank 32, attention + experts (+ Muse latent)), activation checkpointing and micro-batches of
+`--train-micro-tokens` tokens (a sweep: one row each; the first row also profiles one step).
 
 MFU: FLOPs / seconds / the bf16 matmul rate measured on the same GPU (8192^3 GEMMs), FLOPs counted on
 active parameters N (routed experts at top_k / num_experts, embeddings excluded, attention scores and
@@ -32,6 +33,7 @@ def trainer_spec(
     tiny: bool,
     ac: bool = False,
     max_seq_len: int = 4096,
+    micro_batch_tokens: int = MICRO_BATCH_TOKENS,
 ):
     from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
 
@@ -47,7 +49,7 @@ def trainer_spec(
         dtype="float32" if tiny else "bfloat16",
         lora=lora,
         optim=OptimSpec(lr=1e-5, total_steps=1000),
-        micro_batch_tokens=max(MICRO_BATCH_TOKENS, max_seq_len),
+        micro_batch_tokens=max(micro_batch_tokens, max_seq_len),
         max_seq_len=max_seq_len,
         r3=True,
         activation_checkpointing=ac,
@@ -82,7 +84,15 @@ def make_samples(
     return out
 
 
-def run(host, trainer: str, model: dict, args, matmul: dict) -> dict:
+def run(
+    host,
+    trainer: str,
+    model: dict,
+    args,
+    matmul: dict,
+    micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+    profile: bool = False,
+) -> dict:
     cfg = model["config"]
     experts = cfg.get("num_experts") or cfg["num_local_experts"]  # Qwen3-MoE saves the latter
     samples = make_samples(
@@ -95,13 +105,13 @@ def run(host, trainer: str, model: dict, args, matmul: dict) -> dict:
         experts,
     )
     tokens = args.train_samples * args.train_seq_len
-    r = host.call("train_bench", trainer, samples, args.train_warmup, args.train_steps)
+    r = host.call("train_bench", trainer, samples, args.train_warmup, args.train_steps, profile)
     n, rate = model["params"]["active"], matmul["tflops"] * 1e12
     row = {
         "samples": args.train_samples,
         "seq_len": args.train_seq_len,
         "tokens": tokens,
-        "micro_batch_tokens": MICRO_BATCH_TOKENS,
+        "micro_batch_tokens": micro_batch_tokens,
         "activation_checkpointing": True,
         "lora_rank": 32,
         "lora_targets": "all",
@@ -116,8 +126,14 @@ def run(host, trainer: str, model: dict, args, matmul: dict) -> dict:
         "log_probs_mfu_2n": 2 * n * tokens / r["log_probs_s"] / rate,
         **r,
     }
+    if "profile" in r:
+        p = r["profile"]
+        top = ", ".join(f"{o['name'][:40]} {o['device_ms']:.0f}ms" for o in p["top_ops"][:5])
+        log(
+            f"    profile: device busy {p['device_busy_fraction'] or 0:.0%} of {p['wall_s']:.2f}s; top: {top}"
+        )
     log(
-        f"    trainer: {row['train_tokens_per_s']:.0f} tok/s train step, MFU(6N) {row['mfu_6n']:.1%}, "
+        f"    trainer (micro-batch {micro_batch_tokens} tokens): {row['train_tokens_per_s']:.0f} tok/s train step, MFU(6N) {row['mfu_6n']:.1%}, "
         f"MFU(4N) {row['mfu_4n']:.1%}, log-probs {row['log_probs_tokens_per_s']:.0f} tok/s, "
         f"peak {r.get('peak_allocated_gib', float('nan')):.1f} GiB"
     )
