@@ -163,13 +163,17 @@ def _profile_step(w, samples, adv, old) -> dict:
         _sync()
     wall = time.perf_counter() - t
     events = prof.key_averages()
-    device = (
-        "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    )
+    if not torch.cuda.is_available():
+        device = "self_cpu_time_total"  # CPU: the "device" is the CPU itself
+    elif hasattr(events[0], "self_device_time_total"):
+        device = "self_device_time_total"
+    else:
+        device = "self_cuda_time_total"
     busy_us = sum(getattr(e, device, 0) for e in events)
     top = sorted(events, key=lambda e: getattr(e, device, 0), reverse=True)[:20]
     return {
         "wall_s": wall,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
         "device_busy_s": busy_us / 1e6,
         "device_busy_fraction": busy_us / 1e6 / wall if wall else None,
         "top_ops": [
