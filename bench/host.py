@@ -134,10 +134,10 @@ def perturb_lora_b(name: str, std: float, seed: int) -> None:
                 local.copy_(torch.randn(local.shape, generator=g) * std)
 
 
-def export_adapter(name: str):
-    """(tensors, adapter_config, seconds inside the trainer)."""
+def export_adapter(name: str, dtype: str | None = None):
+    """(tensors, adapter_config, seconds inside the trainer); `dtype` as the driver's sync asks for it."""
     t = time.perf_counter()
-    tensors, config = _TRAINERS[name].export_adapter()
+    tensors, config = _TRAINERS[name].export_adapter(dtype)
     return tensors, config, time.perf_counter() - t
 
 

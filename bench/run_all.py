@@ -290,6 +290,7 @@ class ModelRun:
                     self.args.sync_repeats,
                     100 * (i + 2),
                     self.model["config"]["vocab_size"],
+                    "float32" if self.args.tiny else "bfloat16",
                 )
                 self.res["sync"].add(
                     model=self.name,

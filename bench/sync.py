@@ -51,12 +51,15 @@ def _one_token(worker, seed: int, vocab: int) -> float:
     return time.perf_counter() - t
 
 
-def measure(host, trainer: str, worker, repeats: int, version0: int, vocab: int) -> dict:
+def measure(
+    host, trainer: str, worker, repeats: int, version0: int, vocab: int, dtype: str = "bfloat16"
+) -> dict:
     """One case; `worker` None (--tiny: no MoE-LoRA engine on CPU) times the export and staging only."""
     runs = []
     for i in range(repeats):
         t0 = time.perf_counter()
-        tensors, config, inner_s = host.call("export_adapter", trainer)
+        # In the model dtype, as the driver's sync ships it (the first session's figures were fp32).
+        tensors, config, inner_s = host.call("export_adapter", trainer, dtype)
         t1 = time.perf_counter()
         run = {
             "export_s": t1 - t0,

@@ -176,11 +176,9 @@ class Run:
 
     def sync_weights(self) -> dict:
         if self.cfg.sync.mode == "adapter":
-            tensors, peft_config = self.trainer.export_adapter()
-            # The trainer keeps fp32 LoRA masters; vLLM computes LoRA in the model dtype, so ship that
-            # (half the bytes in bf16). Checkpoints keep the fp32 copy.
-            dtype = getattr(torch, self.cfg.model.dtype)
-            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+            # The trainer keeps fp32 LoRA masters; vLLM computes LoRA in the model dtype, so the trainer
+            # casts to that before the transfer (half the bytes in bf16). Checkpoints keep fp32.
+            tensors, peft_config = self.trainer.export_adapter(dtype=self.cfg.model.dtype)
             return self.rollout.load_adapter(tensors, peft_config, self.version)
         return self.rollout.load_merged_weights(self.trainer.export_merged(), self.version)
 

@@ -96,8 +96,8 @@ class TrainerGroup:
     def _on_all(self, method: str, *args):
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])
 
-    def export_adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
-        return self._on_all("export_adapter")[0]
+    def export_adapter(self, dtype: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        return self._on_all("export_adapter", dtype)[0]
 
     def export_merged(self) -> dict[str, torch.Tensor]:
         return self._on_all("export_merged")[0]

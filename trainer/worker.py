@@ -371,15 +371,20 @@ class TrainerWorker:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         return get_model_state_dict(self.model, options=opts)
 
-    def export_adapter(self) -> tuple[dict[str, torch.Tensor], dict] | None:
-        """PEFT adapter tensors (`get_peft_model_state_dict` key names, fp32, CPU) and adapter_config
-        contents, on rank 0; None on the other ranks."""
+    def export_adapter(self, dtype: str | None = None) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """PEFT adapter tensors (`get_peft_model_state_dict` key names, CPU) and adapter_config contents,
+        on rank 0; None on the other ranks. The fp32 masters as they are, or cast to `dtype` (a torch dtype
+        name) here, before they travel: the rollout computes LoRA in the model dtype, so a sync ships that
+        (half the bytes in bf16); checkpoints keep fp32."""
         state = self._full_lora_state()
         if self.rank != 0:
             return None
-        return {lora.peft_key(k): v for k, v in state.items()}, lora.peft_config_dict(
-            self.model, self.spec.model_path
-        )
+        cast = getattr(torch, dtype) if dtype else None
+        tensors = {
+            lora.peft_key(k): v.to(cast) if cast is not None and v.is_floating_point() else v
+            for k, v in state.items()
+        }
+        return tensors, lora.peft_config_dict(self.model, self.spec.model_path)
 
     def gradients(self) -> dict[str, torch.Tensor] | None:
         """Full gradients of the LoRA weights after the last train_step, PEFT key names (rank 0; tests)."""

@@ -172,6 +172,12 @@ def test_bad_input_is_named_and_no_rank_hangs(group, batch, tmp_path):
         group.train_step([bad] + samples[1:], advantages)
     # An adapter of another rank does not load.
     adapter, config = group.export_adapter()
+    # The sync's export: cast on the trainer side to the model dtype, same keys, same values rounded.
+    half, half_config = group.export_adapter(dtype="bfloat16")
+    assert half_config == config and set(half) == set(adapter)
+    for k, v in half.items():
+        assert adapter[k].dtype == torch.float32 and v.dtype == torch.bfloat16
+        assert torch.equal(v, adapter[k].to(torch.bfloat16)), k
     wrong = {
         k: torch.zeros(v.shape[0] * 2, *v.shape[1:]) if ".lora_A." in k else v for k, v in adapter.items()
     }
