@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 # Segments that wrappers add to parameter names: PEFT's prefix and base layers, activation checkpointing.
 _PEFT_SEGMENTS = re.compile(r"(^base_model\.model\.)|(\.base_layer(?=\.))")
 _CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.down_proj\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)$")
 
 
@@ -83,6 +84,12 @@ class CheckpointRows:
                 with safe_open(f, "pt") as s:
                     weight_map.update(dict.fromkeys(s.keys(), f.name))
         self.weight_map: dict[str, str] = weight_map
+        # Per-expert tensors on disk: how many experts each `...experts` prefix has (one pass over the keys).
+        self._experts: dict[str, int] = {}
+        for key in weight_map:
+            m = _PER_EXPERT.match(key)
+            if m:
+                self._experts[m["prefix"]] = max(self._experts.get(m["prefix"], 0), int(m["expert"]) + 1)
         self._stack = ExitStack()
         self._open: dict[str, object] = {}
         self.bytes_read = 0
@@ -104,11 +111,7 @@ class CheckpointRows:
         if name in self.weight_map:
             return tuple(self._slice(name).get_shape())
         if m and f"{m['prefix']}.0.down_proj.weight" in self.weight_map:
-            n = sum(
-                1
-                for k in self.weight_map
-                if re.fullmatch(rf"{re.escape(m['prefix'])}\.\d+\.down_proj\.weight", k)
-            )
+            n = self._experts[m["prefix"]]
             if m["param"] == "down_proj":
                 return (n, *self._slice(f"{m['prefix']}.0.down_proj.weight").get_shape())
             gate = self._slice(f"{m['prefix']}.0.gate_proj.weight").get_shape()
