@@ -7,6 +7,7 @@
 #   bash bench/gpu_calls.sh r3                 # Muse: NVFP4+LoRA with and without R3: rollout, KL
 #   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse and Qwen3-MoE shapes
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
+#   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows; the 20-step GRPO run
 #
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
@@ -50,6 +51,12 @@ for call in "$@"; do
   bf16)
     bench muse_bf16 --models muse --only build,rollout,kl --engines bf16 --budget-s 260
     bench muse_bf16_lora --models muse --only rollout --engines bf16_lora --budget-s 230
+    ;;
+  sync)
+    bench muse_sync --models muse --only build,sync --engines nvfp4_lora --budget-s 300
+    ;;
+  grpo)
+    bench muse_grpo --models muse --only build,grpo --budget-s 420
     ;;
   *)
     echo "unknown call $call" >&2
