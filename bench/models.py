@@ -281,15 +281,14 @@ def quantize_and_dequantize(d: Path, device: str) -> None:
     """nvfp4/ = rl.quantize's converter (its ignore list, e.g. Muse's head gate); dq/ = its BF16 twin."""
     from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
 
-    from rl.quantize import _quantizer
+    from rl.quantize import quantizer_for
     from trainer.nvfp4 import _convert_atomically
 
-    model_type = json.loads((d / "bf16" / "config.json").read_text())["model_type"]
-    _convert_atomically(d / "bf16", d / "nvfp4", _OnDevice(_quantizer(model_type), device))
+    _convert_atomically(d / "bf16", d / "nvfp4", lambda src: _OnDevice(quantizer_for(src), device))
     _convert_atomically(
         d / "nvfp4",
         d / "dq",
-        _OnDevice(CompressedTensorsDequantizer(d / "nvfp4", dtype=torch.bfloat16), device),
+        lambda src: _OnDevice(CompressedTensorsDequantizer(src, dtype=torch.bfloat16), device),
     )
 
 

@@ -21,24 +21,12 @@ SCHEMES = ("nvfp4",)
 EXTRA_IGNORE: dict[str, list[str]] = {"muse_spark": ["re:.*self_attn.g_proj$"]}
 
 
-def _quantizer(model_type: str | None):
-    from trainer.nvfp4 import IGNORE, _NVFP4Quantizer
+def quantizer_for(src: str | os.PathLike):
+    """The NVFP4 converter of checkpoint `src`: the default ignore list plus its architecture's."""
+    from trainer.nvfp4 import _NVFP4Quantizer
 
-    extra = EXTRA_IGNORE.get(model_type or "", [])
-    if not extra:
-        return _NVFP4Quantizer()
-
-    class _Quantizer(_NVFP4Quantizer):
-        def _targeted(self, name, t):
-            module = name.rpartition(".")[0]
-            return super()._targeted(name, t) and not any(self._match(module, ign) for ign in extra)
-
-        def create_config(self):
-            config = super().create_config()
-            config.ignore = list(IGNORE) + extra
-            return config
-
-    return _Quantizer()
+    model_type = json.loads((Path(src) / "config.json").read_text()).get("model_type")
+    return _NVFP4Quantizer(src, EXTRA_IGNORE.get(model_type or "", []))
 
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, scheme: str = "nvfp4") -> Path:
@@ -47,11 +35,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, scheme: str = "nvfp
 
     if scheme not in SCHEMES:
         raise ValueError(f"quantize: --scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-    config = Path(src) / "config.json"
-    if not config.exists():
-        raise FileNotFoundError(f"quantize: {src} is not a model directory (no config.json)")
-    model_type = json.loads(config.read_text()).get("model_type")
-    return _convert_atomically(src, dst, _quantizer(model_type))
+    return _convert_atomically(src, dst, quantizer_for)
 
 
 def _run(args: argparse.Namespace) -> int:

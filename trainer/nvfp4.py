@@ -60,14 +60,20 @@ def is_nvfp4_checkpoint(path: str | os.PathLike) -> bool:
 
 
 class _NVFP4Quantizer:
-    """compressed-tensors `Converter`: every 2D Linear `weight` (not ignored) -> the NVFP4 triple."""
+    """compressed-tensors `Converter`: every 2D Linear `weight` (not ignored) -> the NVFP4 triple.
 
-    def __init__(self, weight_names=()):
+    `src`: the checkpoint it converts (every weight name is needed up front: a fused group may span
+    shards); `extra_ignore`: compressed-tensors patterns kept unquantized on top of IGNORE, and listed in
+    the written config so that vLLM builds those layers unquantized too."""
+
+    def __init__(self, src: str | os.PathLike, extra_ignore=()):
         from compressed_tensors.utils.match import match_name
+        from compressed_tensors.utils.safetensors_load import get_checkpoint_files, get_weight_map
 
         self.scheme = nvfp4_scheme()
         self._match = match_name
-        self._names = frozenset(weight_names)
+        self.ignore = [*IGNORE, *extra_ignore]
+        self._names = frozenset(get_weight_map(get_checkpoint_files(str(src))))
 
     def _targeted(self, name: str, t: torch.Tensor) -> bool:
         module, _, param = name.rpartition(".")
@@ -77,7 +83,7 @@ class _NVFP4Quantizer:
             and t.is_floating_point()
             and not module.endswith("norm")
             and not module.endswith(_SKIP_MODULES)
-            and not any(self._match(module, ign) for ign in IGNORE)
+            and not any(self._match(module, ign) for ign in self.ignore)
         )
 
     def validate(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -96,7 +102,7 @@ class _NVFP4Quantizer:
         global_scales: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
             if self._targeted(name, t) and name not in global_scales:
-                group = [n for n in fused_siblings(name, tensors) if n in tensors]
+                group = fused_siblings(name, tensors)
                 lo = torch.stack([tensors[n].float().min() for n in group]).min()
                 hi = torch.stack([tensors[n].float().max() for n in group]).max()
                 shared = generate_gparam(lo, hi)
@@ -135,7 +141,7 @@ class _NVFP4Quantizer:
             config_groups={"group_0": self.scheme},
             format=FORMAT,
             quantization_status=QuantizationStatus.COMPRESSED,
-            ignore=list(IGNORE),
+            ignore=list(self.ignore),
         )
 
     def get_dependencies(self, weight_name: str) -> set[str]:
@@ -145,8 +151,9 @@ class _NVFP4Quantizer:
         return set(group[1:]) if group[0] == weight_name else set()
 
 
-def _convert_atomically(src: str | os.PathLike, dst: str | os.PathLike, converter) -> Path:
-    """Runs compressed-tensors' shard-by-shard conversion into a temporary sibling of dst, then renames."""
+def _convert_atomically(src: str | os.PathLike, dst: str | os.PathLike, make_converter) -> Path:
+    """Runs compressed-tensors' shard-by-shard conversion (`make_converter(src)`) into a temporary sibling
+    of dst, then renames."""
     from compressed_tensors.entrypoints.convert import convert_checkpoint
 
     src, dst = Path(src), Path(dst)
@@ -154,6 +161,7 @@ def _convert_atomically(src: str | os.PathLike, dst: str | os.PathLike, converte
         raise FileNotFoundError(f"{src} is not a model directory (no config.json)")
     if dst.exists():
         raise FileExistsError(f"{dst} exists; not overwriting it")
+    converter = make_converter(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=dst.parent))
     try:
@@ -167,12 +175,7 @@ def _convert_atomically(src: str | os.PathLike, dst: str | os.PathLike, converte
 
 def quantize_nvfp4(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """A Hugging Face checkpoint -> its NVFP4 weight-only twin at dst (vLLM loads it)."""
-    from compressed_tensors.utils.safetensors_load import get_checkpoint_files, get_weight_map
-
-    if not (Path(src) / "config.json").exists():
-        raise FileNotFoundError(f"{src} is not a model directory (no config.json)")
-    names = get_weight_map(get_checkpoint_files(str(src)))
-    return _convert_atomically(src, dst, _NVFP4Quantizer(names))
+    return _convert_atomically(src, dst, _NVFP4Quantizer)
 
 
 def dequantize_nvfp4(
@@ -185,4 +188,4 @@ def dequantize_nvfp4(
         raise ValueError(
             f"{src}: config.json has no compressed-tensors quantization_config of format {FORMAT!r}"
         )
-    return _convert_atomically(src, dst, CompressedTensorsDequantizer(src, dtype=dtype))
+    return _convert_atomically(src, dst, lambda path: CompressedTensorsDequantizer(path, dtype=dtype))

@@ -125,11 +125,13 @@ def test_fused_projections_share_one_global_scale(quantized):
     assert groups > 0, f"{arch}: no fused q/k/v or gate/up group found"
 
 
-def test_a_fused_group_split_across_shards_still_shares_its_scale(tmp_path, tiny_moe_path):
+@pytest.mark.parametrize("entry", ["sparkrl quantize", "quantize_nvfp4"])
+def test_a_fused_group_split_across_shards_still_shares_its_scale(entry, tmp_path, tiny_moe_path):
     """Sharded checkpoints (every real one) can put q_proj and k_proj in different files: compressed-tensors
-    loads the group together through the converter's dependencies."""
+    loads the group together through the converter's dependencies, whichever entry point built it."""
     from safetensors.torch import save_file
 
+    from rl.quantize import quantize
     from trainer.nvfp4 import quantize_nvfp4
 
     src = tmp_path / "sharded"
@@ -151,7 +153,8 @@ def test_a_fused_group_split_across_shards_still_shares_its_scale(tmp_path, tiny
     )
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
-    q = _tensors(quantize_nvfp4(src, tmp_path / "nvfp4"))
+    convert = quantize if entry == "sparkrl quantize" else quantize_nvfp4
+    q = _tensors(convert(src, tmp_path / "nvfp4"))
     prefix = "model.layers.0.self_attn"
     for m in ("q_proj", "k_proj", "v_proj"):
         assert f"{prefix}.{m}.weight_packed" in q and f"{prefix}.{m}.weight" not in q
