@@ -102,6 +102,11 @@ def peft_config_dict(model: nn.Module, base_model_path: str) -> dict:
     return json.loads(json.dumps(cfg, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
 
+def base_name(fqn: str) -> str:
+    """A PEFT model's parameter name -> the wrapped model's own (PEFT's prefix and base_layer hops off)."""
+    return fqn.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
 def peft_key(fqn: str) -> str:
     """Trainer parameter name -> the adapter file's key (PEFT drops the adapter name)."""
     return fqn.replace(f".{ADAPTER_NAME}.", ".")
@@ -181,8 +186,4 @@ def merge_lora(full: dict[str, torch.Tensor], layout: list[dict]) -> dict[str, t
             delta = torch.einsum("ore,eri->eoi" if layer["swapped"] else "ore,eri->eio", B3, A3)
         w = full[key]
         full[key] = (w.double() + layer["scaling"] * delta).to(w.dtype)
-    prefix = "base_model.model."
-    return {
-        (k[len(prefix) :] if k.startswith(prefix) else k).replace(".base_layer", ""): v
-        for k, v in full.items()
-    }
+    return {base_name(k): v for k, v in full.items()}

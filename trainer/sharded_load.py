@@ -23,8 +23,9 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-# Segments that wrappers add to parameter names: PEFT's prefix and base layers, activation checkpointing.
-_PEFT_SEGMENTS = re.compile(r"(^base_model\.model\.)|(\.base_layer(?=\.))")
+from trainer.lora import base_name
+
+# The segment activation checkpointing's wrapper adds to parameter names.
 _CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.down_proj\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)$")
@@ -50,7 +51,7 @@ def unwrapped_name(name: str) -> str:
 
 def checkpoint_name(name: str) -> str:
     """A wrapped model's parameter name -> the name transformers gives it (the checkpoint's)."""
-    return _PEFT_SEGMENTS.sub("", unwrapped_name(name))
+    return base_name(unwrapped_name(name))
 
 
 def hold_aside(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -116,7 +117,10 @@ class CheckpointRows:
                 return (n, *self._slice(f"{m['prefix']}.0.down_proj.weight").get_shape())
             gate = self._slice(f"{m['prefix']}.0.gate_proj.weight").get_shape()
             return (n, 2 * gate[0], gate[1])
-        raise KeyError(
+        raise self._missing(name)
+
+    def _missing(self, name: str) -> KeyError:
+        return KeyError(
             f"{self.path}: the checkpoint has no tensor for the model's parameter {name!r} "
             f"(and no per-expert tensors to fuse it from)"
         )
@@ -133,7 +137,7 @@ class CheckpointRows:
             return sl[start:stop] if sl.get_shape() else sl[:]
         m = _FUSED_EXPERTS.match(name)
         if m is None:
-            self.shape(name)  # raises the error that names the tensor
+            raise self._missing(name)
         prefix = m["prefix"]
         if m["param"] == "down_proj":
             experts = [self._slice(f"{prefix}.{e}.down_proj.weight")[:] for e in range(start, stop)]
@@ -171,9 +175,10 @@ def _local_rows(param: torch.Tensor) -> tuple[int, int]:
 @torch.no_grad()
 def materialize(
     model: nn.Module, path: str | Path, device: torch.device, kept: dict[str, torch.Tensor]
-) -> None:
+) -> int:
     """Allocates this rank's shard of every (meta) parameter on `device` and fills it: from `kept` (what
-    `hold_aside` took: LoRA weights, buffers) or else from the checkpoint at `path`."""
+    `hold_aside` took: LoRA weights, buffers) or else from the checkpoint at `path`.
+    Returns the bytes this rank read from the checkpoint."""
     model.to_empty(device=device)
     with CheckpointRows(path) as ckpt:
         for name, param in model.named_parameters():

@@ -40,8 +40,6 @@ from trainer.parallelize import parallelize
 from trainer.routing_replay import RoutingReplay, moe_routers
 from trainer.spec import TrainerSpec
 
-_CKPT_PREFIX = "_checkpoint_wrapped_module."
-
 
 @dataclass
 class _Prepared:
@@ -361,7 +359,7 @@ class TrainerWorker:
         """Trainable parameter names as the state-dict API spells them (no wrapper prefixes), with the
         full (unsharded) shapes."""
         return {
-            n.replace(_CKPT_PREFIX, ""): tuple(p.shape)
+            sharded_load.unwrapped_name(n): tuple(p.shape)
             for n, p in self.model.named_parameters()
             if p.requires_grad
         }
