@@ -155,12 +155,12 @@ def _run(cmd: list[str]) -> str | None:
         return None
 
 
-def env_info(args: dict) -> dict:
+def env_info(args: dict, module: str = "bench.run_all") -> dict:
     """GPU, driver, versions, date and the command: the header of docs/benchmarks.md."""
     repo = Path(__file__).resolve().parent.parent
     return {
         "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, "-m", "bench.run_all"] + sys.argv[1:]),
+        "command": " ".join([Path(sys.executable).name, "-m", module] + sys.argv[1:]),
         "args": args,
         "python": platform.python_version(),
         "host": platform.node(),

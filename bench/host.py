@@ -150,16 +150,16 @@ def log_probs(name: str, samples):
     return out, metrics, time.perf_counter() - t
 
 
-def _profile_step(w, samples, adv, old) -> dict:
-    """One train_step under torch.profiler: where the device time goes (top ops by self device time) and
-    how busy the device was (kernel time / wall time), to tell matmul-bound from overhead-bound."""
+def profile_device(fn) -> dict:
+    """fn() once under torch.profiler: where the device time goes (top ops by self device time) and how
+    busy the device was (kernel time / wall time), to tell matmul-bound from overhead-bound."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     _sync()
     t = time.perf_counter()
     with profile(activities=activities) as prof:
-        w.train_step(samples, adv, old)
+        fn()
         _sync()
     wall = time.perf_counter() - t
     events = prof.key_averages()
@@ -218,7 +218,7 @@ def train_bench(name: str, samples, warmup: int, steps: int, profile: bool = Fal
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     if profile:
-        out["profile"] = _profile_step(w, samples, adv, old)
+        out["profile"] = profile_device(lambda: w.train_step(samples, adv, old))
     return out
 
 

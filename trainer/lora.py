@@ -8,13 +8,17 @@ with PEFT's `target_parameters`: per parameter one lora_A [r * E, in] (expert-ma
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from trainer.spec import LoraSpec
+from trainer.lora_experts import use_grouped_expert_lora
+
+if TYPE_CHECKING:  # trainer.spec imports verl (rl.algo); bench/lora_experts.py runs without it
+    from trainer.spec import LoraSpec
 
 ADAPTER_NAME = "default"
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -71,9 +75,17 @@ def lora_config(model: nn.Module, spec: LoraSpec, init_lora_weights: bool = True
     )
 
 
-def apply_lora(model: nn.Module, spec: LoraSpec, seed: int, init_lora_weights: bool = True) -> nn.Module:
+def apply_lora(
+    model: nn.Module,
+    spec: LoraSpec,
+    seed: int,
+    init_lora_weights: bool = True,
+    grouped_experts: bool = True,
+) -> nn.Module:
     """PEFT-wrap `model` (every base weight frozen). The LoRA weights are drawn from `seed` (every rank
-    and a single-process reference draw the same ones) and held in fp32 whatever the base dtype."""
+    and a single-process reference draw the same ones) and held in fp32 whatever the base dtype.
+    grouped_experts: run expert LoRA as grouped matmuls beside the frozen experts (trainer/lora_experts.py)
+    instead of PEFT's re-parametrised weights; same function and parameters, cheaper to train."""
     config = lora_config(model, spec, init_lora_weights)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -92,6 +104,8 @@ def apply_lora(model: nn.Module, spec: LoraSpec, seed: int, init_lora_weights: b
     for p in peft_model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
+    if grouped_experts:
+        use_grouped_expert_lora(peft_model)
     return peft_model
 
 

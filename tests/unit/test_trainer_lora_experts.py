@@ -1,0 +1,91 @@
+"""trainer/lora_experts.py: expert LoRA as grouped matmuls must be PEFT's expert LoRA (forward, gradients of
+every LoRA weight, state-dict names) on the tiny Qwen3-MoE and Muse Spark models, in fp32 on CPU (real
+transformers models, real PEFT, torch's grouped_mm; no fakes)."""
+
+import numpy as np
+import pytest
+import torch
+from peft.tuners.lora.layer import ParamWrapper
+
+from rl.models.tiny import make_tiny
+from trainer.lora import apply_lora
+from trainer.lora_experts import GroupedLoraExperts
+from trainer.routing_replay import RoutingReplay
+from trainer.spec import LoraSpec
+
+SPEC = LoraSpec(rank=8, alpha=16.0, attention=True, experts=True, latent=True)
+
+
+def _pair(arch: str, spec: LoraSpec = SPEC):
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny(arch)
+    out = []
+    for grouped in (False, True):
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        out.append(apply_lora(base, spec, seed=1, init_lora_weights=False, grouped_experts=grouped))
+    return out
+
+
+def _loss_and_grads(model, ids, routed=None):
+    model.zero_grad(set_to_none=True)
+    replay = RoutingReplay(model.base_model.model)
+    ctx = replay.active(routed, torch.ones(len(routed), dtype=torch.bool)) if routed is not None else None
+    try:
+        if ctx:
+            ctx.__enter__()
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        weights = torch.linspace(-1, 1, logits.shape[-1])  # not a plain sum: grad_output varies per element
+        (logits * weights).mean().backward()
+    finally:
+        if ctx:
+            ctx.__exit__(None, None, None)
+        replay.remove()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return logits.detach(), grads
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "muse"])
+def test_grouped_expert_lora_matches_peft_forward_and_gradients(arch):
+    peft_model, grouped = _pair(arch)
+    swapped = [m for m in grouped.modules() if isinstance(m, GroupedLoraExperts)]
+    layers = grouped.base_model.model.config.num_hidden_layers
+    assert len(swapped) == layers  # one per MoE layer: the outer wrapper of gate_up_proj + down_proj
+    assert not any(isinstance(m, GroupedLoraExperts) for m in peft_model.modules())
+    assert grouped.state_dict().keys() == peft_model.state_dict().keys()
+
+    ids = torch.randint(5, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    ref_logits, ref_grads = _loss_and_grads(peft_model, ids)
+    logits, grads = _loss_and_grads(grouped, ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    expert_grads = [n for n in grads if ".experts." in n]
+    assert expert_grads and all(ref_grads[n].abs().max() > 0 for n in expert_grads)
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_experts_without_tokens_get_zero_gradients_as_with_peft():
+    """R3 sends every token to experts 0 and 1: the other six run on empty groups."""
+    peft_model, grouped = _pair("qwen3_moe")
+    ids = torch.randint(5, 300, (1, 10), generator=torch.Generator().manual_seed(2))
+    routed = torch.zeros((10, 4, 2), dtype=torch.long)
+    routed[..., 1] = 1
+    ref_logits, ref_grads = _loss_and_grads(peft_model, ids, routed)
+    logits, grads = _loss_and_grads(grouped, ids, routed)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    name = next(n for n in grads if n.endswith("experts.base_layer.lora_A.default.weight"))
+    per_expert = grads[name].reshape(8, 8, -1).abs().amax(dim=(1, 2))  # experts x rank x in
+    assert np.all(per_expert[:2].numpy() > 0) and np.all(per_expert[2:].numpy() == 0)
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_ranks_the_grouped_kernel_cannot_take_keep_peft():
+    """Widths must be multiples of 8 (16-byte rows in bf16): rank 4 stays on PEFT's own forward."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(make_tiny("qwen3_moe"), dtype=torch.float32)
+    model = apply_lora(base, LoraSpec(rank=4, alpha=8.0), seed=0)
+    wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
+    assert wrappers and not any(isinstance(m, GroupedLoraExperts) for m in wrappers)

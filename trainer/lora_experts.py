@@ -1,0 +1,134 @@
+"""Expert LoRA as grouped matmuls beside the frozen experts, instead of PEFT's W + s * B @ A.
+
+PEFT adapts a fused expert parameter (`target_parameters`, `ParamWrapper`) by re-parametrising it: every
+forward forms the whole [E, out, in] stack W + s * B_e @ A_e and runs the experts on it. For training that
+costs, per MoE layer and pass, a copy of every expert's weights, a weight gradient for the full stack in
+backward (the sum needs one to reach A and B), and a parametrisation registered and removed in Python. Here
+the routed tokens take the frozen stack as they are (input gradients only), and beside it each token takes
+its expert's own low-rank pair, x @ A_e^T @ B_e^T, as two more grouped matmuls of width `rank`:
+
+    y = x @ W_e^T + s * (x @ A_e^T) @ B_e^T          for the tokens routed to expert e
+
+Same function, same parameters and state-dict names as PEFT's (the module keeps its class's methods for
+merging and saving; only `forward` changes), so adapter files, merging and vLLM's layout are untouched;
+tests/unit/test_trainer_lora_experts.py holds it to PEFT's own forward and gradients.
+
+Used for experts that look like transformers' fused SwiGLU experts (`gate_up_proj` [E, 2I, H], `down_proj`
+[E, H, I], `_apply_gate`, no bias, not transposed: Qwen3-MoE, Muse Spark) and whose shapes the grouped
+kernel takes; anything else keeps PEFT's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.lora.layer import ParamWrapper
+from torch import nn
+
+ADAPTED = ("gate_up_proj", "down_proj")
+
+
+def _wrapper_chain(outer: ParamWrapper) -> tuple[list[ParamWrapper], nn.Module]:
+    """PEFT nests one ParamWrapper per adapted parameter: outermost first, then the experts module."""
+    chain, m = [], outer
+    while isinstance(m, ParamWrapper):
+        chain.append(m)
+        m = m.base_layer
+    return chain, m
+
+
+def _fits_grouped_mm(experts: nn.Module, rank: int) -> bool:
+    """The grouped kernel wants 16-byte-aligned rows (bf16: widths that are multiples of 8)."""
+    if not all(isinstance(getattr(experts, p, None), torch.Tensor) for p in ADAPTED):
+        return False
+    if getattr(experts, "is_transposed", True) or getattr(experts, "has_bias", True):
+        return False
+    if not getattr(experts, "has_gate", False) or not hasattr(experts, "_apply_gate"):
+        return False
+    if experts.gate_up_proj.dim() != 3 or experts.down_proj.dim() != 3:
+        return False
+    widths = (rank, *experts.gate_up_proj.shape[1:], *experts.down_proj.shape[1:])
+    return all(w % 8 == 0 for w in widths)
+
+
+def _factors(wrapper: ParamWrapper, adapter: str, dtype: torch.dtype):
+    """(A [E, r, in], B [E, out, r], scaling) from PEFT's lora_A [r * E, in] (expert-major rows) and
+    lora_B [out, r * E] (expert-minor columns)."""
+    E = wrapper.num_experts
+    A = wrapper.lora_A[adapter].weight
+    B = wrapper.lora_B[adapter].weight
+    A = A.reshape(E, -1, A.shape[-1]).to(dtype)
+    B = B.reshape(B.shape[0], -1, E).permute(2, 0, 1).contiguous().to(dtype)
+    return A, B, wrapper.scaling[adapter]
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [S, in] sorted by expert, weight [E, out, in] -> [S, out] (row block e through weight[e])."""
+    return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+
+def _lora_linear(x, weight, offsets, factors) -> torch.Tensor:
+    out = _grouped_linear(x, weight, offsets)
+    if factors is not None:
+        A, B, scaling = factors
+        out = out + scaling * _grouped_linear(_grouped_linear(x, A, offsets), B, offsets)
+    return out
+
+
+def grouped_lora_experts_forward(
+    experts: nn.Module,
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' fused-experts forward (sum over the k routed experts of weight * SwiGLU expert) with
+    each adapted projection's LoRA pair added. hidden_states [T, H]; top_k_index / top_k_weights [T, k]."""
+    num_tokens, k = top_k_index.shape
+    expert_ids, order = torch.sort(top_k_index.reshape(-1))
+    x = hidden_states[order // k]  # [T * k, H], grouped by expert
+    counts = torch.bincount(expert_ids, minlength=experts.num_experts)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+    h = _lora_linear(x, experts.gate_up_proj, offsets, factors.get("gate_up_proj"))
+    h = experts._apply_gate(h)
+    y = _lora_linear(h, experts.down_proj, offsets, factors.get("down_proj"))
+    y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+
+    # Back to (token, slot) order, then sum the k slots (a reshape and sum: deterministic, unlike index_add_).
+    unsorted = torch.empty_like(y)
+    unsorted[order] = y
+    return unsorted.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+class GroupedLoraExperts(ParamWrapper):
+    """The outermost of PEFT's nested ParamWrappers around a fused experts module, with a grouped forward.
+    Installed by `use_grouped_expert_lora` (class swap: parameters, names and PEFT's methods unchanged)."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        chain, experts = _wrapper_chain(self)
+        adapters = [a for a in self.active_adapters if a in self.lora_A]
+        if self.disable_adapters or self.merged or len(adapters) != 1 or args or kwargs:
+            return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        dtype = experts.gate_up_proj.dtype
+        factors = {w.parameter_name: _factors(w, adapters[0], dtype) for w in chain}
+        return grouped_lora_experts_forward(experts, factors, hidden_states, top_k_index, top_k_weights)
+
+
+def use_grouped_expert_lora(model: nn.Module) -> int:
+    """Swap every suitable expert ParamWrapper chain of a PEFT model to GroupedLoraExperts; returns how many.
+    Chains that target anything but gate_up_proj / down_proj, or whose shapes do not fit the grouped
+    kernel, keep PEFT's forward."""
+    inner = {id(m.base_layer) for m in model.modules() if isinstance(m, ParamWrapper)}
+    count = 0
+    for module in model.modules():
+        if type(module) is not ParamWrapper or id(module) in inner:
+            continue  # inner wrappers belong to their outer one's chain
+        chain, experts = _wrapper_chain(module)
+        if any(w.parameter_name not in ADAPTED for w in chain):
+            continue
+        if not all(_fits_grouped_mm(experts, r) for w in chain for r in w.r.values()):
+            continue
+        module.__class__ = GroupedLoraExperts
+        count += 1
+    return count
