@@ -116,11 +116,13 @@ def run_one(model_name, path, ac, args, mesh, device, rate) -> dict:
     }
     if args.profile:
         row["profile"] = profile_device(lambda: _step(model, replay, optimizer, ids, routed))
-    del model, replay, optimizer, params
+    return row  # the model goes with this frame; main() frees its memory before the next row
+
+
+def _free(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
 
 
 def main(argv=None) -> None:
@@ -173,11 +175,11 @@ def main(argv=None) -> None:
             for path in paths:
                 try:
                     row = run_one(name, path, ac, args, mesh, device, rate)
+                    _free(device)
                 except torch.OutOfMemoryError as e:  # a row of its own; the other settings still run
                     results.add(model=name, path=path, activation_checkpointing=ac, status=f"oom: {e}"[:300])
                     log(f"{name} {path} ac={ac}: out of memory")
-                    gc.collect()
-                    torch.cuda.empty_cache()
+                    _free(device)
                     continue
                 results.add(**row)
                 prof = row.get("profile")
