@@ -5,7 +5,8 @@
 #
 #   bash bench/gpu_calls.sh install tests      # vLLM kit, then the gpu-marked tests of issues 5 and 9
 #   bash bench/gpu_calls.sh r3                 # Muse: NVFP4+LoRA with and without R3: rollout, KL
-#   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse and Qwen3-MoE shapes
+#   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse (trainer_qwen: Qwen3-MoE)
+#   bash bench/gpu_calls.sh lora_experts       # the trainer's compute alone (bench/lora_experts.py), no kit
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
 #   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows; the 20-step GRPO run
 #
@@ -45,8 +46,19 @@ for call in "$@"; do
     bench muse_nvfp4_lora --models muse --only rollout --engines nvfp4_lora --budget-s 170
     ;;
   trainer)
-    bench muse_trainer --models muse --only build,trainer --budget-s 150
-    bench qwen3_moe_trainer --models qwen3_moe --only build,trainer --budget-s 330
+    # compiled trainer (its GPU default): the first step compiles for about two minutes
+    bench muse_trainer --models muse --only build,trainer --train-micro-tokens 16384 --train-ac on,off --budget-s 480
+    ;;
+  trainer_qwen)
+    bench qwen3_moe_trainer --models qwen3_moe --only build,trainer --train-micro-tokens 16384 --budget-s 480
+    ;;
+  lora_experts)
+    # no kit needed: torch + transformers + PEFT only
+    mkdir -p "$OUT0/lora_experts"
+    OUT="$OUT0/lora_experts" python3 -m bench.lora_experts --models muse --paths grouped --ac on,off \
+      --compile none,layers >"$OUT0/lora_experts/stdout.txt" 2>&1
+    echo "== lora_experts rc=$?"
+    grep -E 'tok/s' "$OUT0/lora_experts/log.txt"
     ;;
   bf16)
     bench muse_bf16 --models muse --only build,rollout,kl --engines bf16 --budget-s 260

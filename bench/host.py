@@ -165,12 +165,20 @@ def profile_device(fn) -> dict:
     events = prof.key_averages()
     if not torch.cuda.is_available():
         device = "self_cpu_time_total"  # CPU: the "device" is the CPU itself
-    elif hasattr(events[0], "self_device_time_total"):
-        device = "self_device_time_total"
+        kernels, ops = events, events
     else:
-        device = "self_cuda_time_total"
-    busy_us = sum(getattr(e, device, 0) for e in events)
-    top = sorted(events, key=lambda e: getattr(e, device, 0), reverse=True)[:20]
+        device = (
+            "self_device_time_total"
+            if hasattr(events[0], "self_device_time_total")
+            else "self_cuda_time_total"
+        )
+        # Kernels and copies are device-side events; each op (aten::mul, ...) also carries its kernels' time:
+        # busy time sums the first, the table ranks the second (summing both would count twice).
+        on_device = {str(e.device_type) for e in events} - {"DeviceType.CPU"}
+        kernels = [e for e in events if str(e.device_type) in on_device]
+        ops = [e for e in events if str(e.device_type) == "DeviceType.CPU"]
+    busy_us = sum(getattr(e, device, 0) for e in kernels)
+    top = sorted(ops, key=lambda e: getattr(e, device, 0), reverse=True)[:20]
     return {
         "wall_s": wall,
         "device": "cuda" if torch.cuda.is_available() else "cpu",

@@ -44,10 +44,11 @@ def _lora(model_name: str, rank: int):
     )
 
 
-def _build(model_name: str, rank: int, grouped: bool, ac: bool, mesh, device, tiny: bool):
+def _build(model_name: str, rank: int, grouped: bool, ac: bool, compile: str, mesh, device, tiny: bool):
     from transformers import AutoModelForCausalLM
 
     import rl.models.muse  # noqa: F401 - registers Muse Spark with the Auto classes
+    from trainer import lora_experts
     from trainer.lora import apply_lora
     from trainer.parallelize import parallelize
     from trainer.routing_replay import RoutingReplay
@@ -61,7 +62,15 @@ def _build(model_name: str, rank: int, grouped: bool, ac: bool, mesh, device, ti
     )
     model.to(device)
     replay = RoutingReplay(base)
-    parallelize(base, base.model.layers, mesh, compute_dtype=torch.bfloat16, activation_checkpointing=ac)
+    lora_experts.compile_experts(compile == "experts")
+    parallelize(
+        base,
+        base.model.layers,
+        mesh,
+        compute_dtype=torch.bfloat16,
+        activation_checkpointing=ac,
+        compile=compile == "layers",
+    )
     return model, replay, config
 
 
@@ -75,8 +84,10 @@ def _step(model, replay, optimizer, ids, routed):
     optimizer.zero_grad(set_to_none=True)
 
 
-def run_one(model_name, path, ac, args, mesh, device, rate) -> dict:
-    model, replay, config = _build(model_name, args.rank, path == "grouped", ac, mesh, device, args.tiny)
+def run_one(model_name, path, ac, compile, args, mesh, device, rate) -> dict:
+    model, replay, config = _build(
+        model_name, args.rank, path == "grouped", ac, compile, mesh, device, args.tiny
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     batch = args.micro_tokens // args.seq_len
@@ -86,8 +97,11 @@ def run_one(model_name, path, ac, args, mesh, device, rate) -> dict:
     start = torch.randint(0, experts, (n_rows, layers, 1), generator=g)
     routed = ((start + torch.arange(k)) % experts).to(device)  # k distinct experts, uniform load
 
+    t = time.perf_counter()
     for _ in range(args.warmup):
         _step(model, replay, optimizer, ids, routed)
+    _sync()
+    first = time.perf_counter() - t  # warm-up, compile included
     _sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -103,11 +117,13 @@ def run_one(model_name, path, ac, args, mesh, device, rate) -> dict:
         "model": model_name,
         "path": path,
         "activation_checkpointing": ac,
+        "compile": compile,
         "lora_rank": args.rank,
         "micro_batch_tokens": ids.numel(),
         "seq_len": args.seq_len,
         "active_params": n,
         "step_s": s,
+        "first_step_s": first,
         "step_s_all": times,
         "tokens_per_s": ids.numel() / s,
         "mfu_6n": 6 * n * ids.numel() / s / (rate * 1e12),
@@ -117,6 +133,18 @@ def run_one(model_name, path, ac, args, mesh, device, rate) -> dict:
     if args.profile:
         row["profile"] = profile_device(lambda: _step(model, replay, optimizer, ids, routed))
     return row  # the model goes with this frame; main() frees its memory before the next row
+
+
+def _log_row(tag: str, row: dict) -> None:
+    prof = row.get("profile")
+    busy = f", device busy {prof['device_busy_fraction']:.0%}" if prof else ""
+    peak = f", peak {row['peak_allocated_gib']:.1f} GiB" if row["peak_allocated_gib"] else ""
+    log(
+        f"{tag}: {row['tokens_per_s']:.0f} tok/s, MFU(6N) {row['mfu_6n']:.1%}, (4N) {row['mfu_4n']:.1%}"
+        f"{peak}{busy}, first step {row['first_step_s']:.1f}s"
+    )
+    for op in (prof or {}).get("top_ops", [])[:10]:
+        log(f"    {op['device_ms']:8.1f} ms  {op['calls']:5d}x  {op['name'][:70]}")
 
 
 def _free(device) -> None:
@@ -130,6 +158,11 @@ def main(argv=None) -> None:
     p.add_argument("--models", default="muse,qwen3_moe")
     p.add_argument("--paths", default="peft,grouped", help="expert LoRA forward: peft, grouped")
     p.add_argument("--ac", default="on", help="activation checkpointing: on, off, or on,off")
+    p.add_argument(
+        "--compile",
+        default="none",
+        help="none, experts (only the grouped expert function), layers (each decoder layer: the trainer's way)",
+    )
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--micro-tokens", type=int, default=16384)
     p.add_argument("--seq-len", type=int, default=1024)
@@ -146,6 +179,9 @@ def main(argv=None) -> None:
     if bad := [x for x in paths if x not in ("peft", "grouped")]:
         raise SystemExit(f"--paths: unknown {bad}; choose from peft, grouped")
     acs = [{"on": True, "off": False}[x] for x in args.ac.split(",")]
+    compiles = args.compile.split(",")
+    if bad := [x for x in compiles if x not in ("none", "experts", "layers")]:
+        raise SystemExit(f"--compile: unknown {bad}; choose from none, experts, layers")
     if not torch.cuda.is_available() and not args.tiny:
         raise SystemExit("bench.lora_experts measures the GPU's kernels: it needs CUDA (or --tiny, on CPU)")
     if args.tiny:
@@ -170,28 +206,25 @@ def main(argv=None) -> None:
     results = Results(
         out, "lora_experts", env_info(vars(args), "bench.lora_experts") | {"matmul_tflops": rate}
     )
+    torch._dynamo.config.cache_size_limit = 64  # one graph per distinct shape, not per layer
     for name in args.models.split(","):
         for ac in acs:
-            for path in paths:
-                try:
-                    row = run_one(name, path, ac, args, mesh, device, rate)
+            for compile in compiles:
+                for path in paths:
+                    if compile == "experts" and path != "grouped":
+                        continue  # PEFT's path has no expert function of ours to compile
+                    what = dict(model=name, path=path, activation_checkpointing=ac, compile=compile)
+                    tag = f"{name} {path} ac={ac} compile={compile}"
+                    try:
+                        row = run_one(name, path, ac, compile, args, mesh, device, rate)
+                    except Exception as e:  # noqa: BLE001 - a row of its own; the other settings still run
+                        results.add(**what, status=f"error: {type(e).__name__}: {e}"[:500])
+                        log(f"{tag}: {type(e).__name__}: {str(e)[:300]}")
+                        _free(device)
+                        continue
                     _free(device)
-                except torch.OutOfMemoryError as e:  # a row of its own; the other settings still run
-                    results.add(model=name, path=path, activation_checkpointing=ac, status=f"oom: {e}"[:300])
-                    log(f"{name} {path} ac={ac}: out of memory")
-                    _free(device)
-                    continue
-                results.add(**row)
-                prof = row.get("profile")
-                busy = f", device busy {prof['device_busy_fraction']:.0%}" if prof else ""
-                peak = f", peak {row['peak_allocated_gib']:.1f} GiB" if row["peak_allocated_gib"] else ""
-                log(
-                    f"{name} {path} ac={ac}: {row['tokens_per_s']:.0f} tok/s, MFU(6N) {row['mfu_6n']:.1%}, "
-                    f"(4N) {row['mfu_4n']:.1%}{peak}{busy}"
-                )
-                if prof:
-                    for op in prof["top_ops"][:8]:
-                        log(f"    {op['device_ms']:8.1f} ms  {op['calls']:5d}x  {op['name'][:70]}")
+                    results.add(**row)
+                    _log_row(tag, row)
     dist.destroy_process_group()
 
 

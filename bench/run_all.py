@@ -46,7 +46,8 @@ DEFAULTS = {
     "train_prompt_len": (256, 16),
     "train_warmup": (1, 0),
     "train_steps": (3, 1),
-    "train_micro_tokens": ("16384,32768,65536", "16384,4096"),
+    "train_micro_tokens": ("16384,32768", "16384,4096"),
+    "train_ac": ("on,off", "on"),
     "matmul_n": (8192, 256),
     "grpo_steps": (20, 2),
     "grpo_batch": (32, 4),
@@ -57,7 +58,7 @@ DEFAULTS = {
     "grpo_gpu_mem": (0.35, 0.3),
 }
 # Rough seconds a phase takes on the H200 (warm Triton cache); the budget check uses them.
-ESTIMATE_S = {"engine": 75, "engine_cold": 260, "trainer": 25, "kl_score": 20, "train_bench": 45, "grpo": 240}
+ESTIMATE_S = {"engine": 75, "engine_cold": 260, "trainer": 25, "kl_score": 20, "train_bench": 90, "grpo": 240}
 
 
 def parse_args(argv=None):
@@ -94,6 +95,10 @@ def parse_args(argv=None):
             setattr(args, key, tiny if args.tiny else gpu)
     args.batch_sizes = [int(b) for b in str(args.batch_sizes).split(",")]
     args.train_micro_tokens = [int(t) for t in str(args.train_micro_tokens).split(",")]
+    try:
+        args.train_ac = [{"on": True, "off": False}[a] for a in str(args.train_ac).split(",")]
+    except KeyError:
+        p.error(f"--train-ac: expected on, off or on,off, got {args.train_ac!r}")
     args.models = [m for m in args.models.split(",") if m]
     args.only = set(args.only.split(","))
     if args.only - set(BENCHES):
@@ -146,7 +151,14 @@ class ModelRun:
 
     # -- trainers --------------------------------------------------------------------------------
     def trainer(
-        self, tag: str, weights: str, rank: int, targets: str, ac: bool = False, micro_batch_tokens: int = 0
+        self,
+        tag: str,
+        weights: str,
+        rank: int,
+        targets: str,
+        ac: bool = False,
+        micro_batch_tokens: int = 0,
+        compile: bool = False,
     ) -> str:
         from bench.trainer import trainer_spec
 
@@ -159,6 +171,7 @@ class ModelRun:
                 targets,
                 self.args.tiny,
                 ac=ac,
+                compile=compile,
                 max_seq_len=max(4096, self.args.train_seq_len),
                 **({"micro_batch_tokens": micro_batch_tokens} if micro_batch_tokens else {}),
             )
@@ -190,7 +203,7 @@ class ModelRun:
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> None:
         w = self.want
-        if w & {"rollout", "sync", "kl", "trainer"}:
+        if w & {"rollout", "sync", "kl"}:
             self.main_trainer()
         if "sync" in w or ("kl" in w and "bf16" in self.args.engines):
             self.trainer("bf16_r8_attn", "bf16", 8, "attn")
@@ -375,25 +388,35 @@ class ModelRun:
             return
         for name in list(self.trainers - {f"{self.name}/main"}):
             self.drop(name)  # alone on the GPU: peak memory is the trainer's own
-        for i, tokens in enumerate(self.args.train_micro_tokens):
+        # The trainer as the recipe runs it on a GPU: compiled layers (the KL rows score with an eager
+        # trainer: one compile fewer per call), AC on and, where the budget allows, off.
+        compile = not self.args.tiny
+        settings = [(ac, tokens) for ac in self.args.train_ac for tokens in self.args.train_micro_tokens]
+        for i, (ac, tokens) in enumerate(settings):
             if i and not self.budget.allows(ESTIMATE_S["trainer"] + ESTIMATE_S["train_bench"]):
-                self.res["trainer"].skip("budget", model=self.name, micro_batch_tokens=tokens)
+                self.res["trainer"].skip("budget", model=self.name, micro_batch_tokens=tokens, ac=ac)
                 continue
+            for other in list(self.trainers):
+                self.drop(other)  # alone on the GPU, so that the peak memory is this trainer's
             name = None
             try:
-                if tokens == trainer.MICRO_BATCH_TOKENS:
-                    name = self.main_trainer()
-                else:
-                    for other in list(self.trainers):
-                        self.drop(other)  # alone on the GPU, so that the peak memory is this trainer's
-                    name = self.trainer(f"main_mb{tokens}", "dq", engines.LORA_RANK, "all", True, tokens)
+                tag = f"bench_mb{tokens}_ac{int(ac)}"
+                name = self.trainer(tag, "dq", engines.LORA_RANK, "all", ac, tokens, compile)
                 row = trainer.run(
-                    self.host, name, self.model, self.args, self.args.matmul, tokens, profile=i == 0
+                    self.host,
+                    name,
+                    self.model,
+                    self.args,
+                    self.args.matmul,
+                    tokens,
+                    profile=i == 0,
+                    ac=ac,
+                    compile=compile,
                 )
                 self.res["trainer"].add(model=self.name, **row)
             except Exception as e:  # noqa: BLE001
-                self.res["trainer"].error(e, model=self.name, micro_batch_tokens=tokens)
-            if name and not name.endswith("/main"):
+                self.res["trainer"].error(e, model=self.name, micro_batch_tokens=tokens, ac=ac)
+            if name:
                 self.drop(name)
 
 

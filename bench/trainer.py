@@ -3,7 +3,8 @@
 One fixed batch of `samples` sequences of `seq_len` random tokens (the last `seq_len - prompt_len` are the
 response), with R3 replay of random top-k routing (uniform expert load), through TrainerWorker.log_probs
 (forward) and TrainerWorker.train_step (forward + backward + AdamW on the LoRA weights), with the recipe's
-LoRA (rank 32, attention + experts (+ Muse latent)), activation checkpointing and micro-batches of
+LoRA (rank 32, attention + experts (+ Muse latent)), torch.compile per layer (the trainer's GPU default;
+the first steps compile), activation checkpointing on and off (`--train-ac`) and micro-batches of
 `--train-micro-tokens` tokens (a sweep: one row each; the first row also profiles one step).
 
 MFU: FLOPs / seconds / the bf16 matmul rate measured on the same GPU (8192^3 GEMMs), FLOPs counted on
@@ -34,6 +35,7 @@ def trainer_spec(
     ac: bool = False,
     max_seq_len: int = 4096,
     micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+    compile: bool = False,
 ):
     from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
 
@@ -53,6 +55,7 @@ def trainer_spec(
         max_seq_len=max_seq_len,
         r3=True,
         activation_checkpointing=ac,
+        compile=compile,
         seed=0,
     )
 
@@ -92,6 +95,8 @@ def run(
     matmul: dict,
     micro_batch_tokens: int = MICRO_BATCH_TOKENS,
     profile: bool = False,
+    ac: bool = True,
+    compile: bool = False,
 ) -> dict:
     cfg = model["config"]
     experts = cfg.get("num_experts") or cfg["num_local_experts"]  # Qwen3-MoE saves the latter
@@ -112,7 +117,8 @@ def run(
         "seq_len": args.train_seq_len,
         "tokens": tokens,
         "micro_batch_tokens": micro_batch_tokens,
-        "activation_checkpointing": True,
+        "activation_checkpointing": ac,
+        "compile": compile,
         "lora_rank": 32,
         "lora_targets": "all",
         "r3_replay": True,
@@ -133,7 +139,8 @@ def run(
             f"    profile: device busy {p['device_busy_fraction'] or 0:.0%} of {p['wall_s']:.2f}s; top: {top}"
         )
     log(
-        f"    trainer (micro-batch {micro_batch_tokens} tokens): {row['train_tokens_per_s']:.0f} tok/s train step, MFU(6N) {row['mfu_6n']:.1%}, "
+        f"    trainer (micro-batch {micro_batch_tokens} tokens, AC {ac}, compile {compile}): "
+        f"{row['train_tokens_per_s']:.0f} tok/s train step, MFU(6N) {row['mfu_6n']:.1%}, "
         f"MFU(4N) {row['mfu_4n']:.1%}, log-probs {row['log_probs_tokens_per_s']:.0f} tok/s, "
         f"peak {r.get('peak_allocated_gib', float('nan')):.1f} GiB"
     )

@@ -36,8 +36,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return dirs[-1][1] if dirs else None
 
 
-def save_checkpoint(run_dir: Path, step: int, driver_state: dict, save_trainer: Callable[[Path], None],
-                    keep: int = 0) -> Path:
+def save_checkpoint(
+    run_dir: Path, step: int, driver_state: dict, save_trainer: Callable[[Path], None], keep: int = 0
+) -> Path:
     """Write checkpoint `step`: `save_trainer(dir)` fills `dir/trainer`; then the driver state; then rename."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)

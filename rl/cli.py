@@ -18,8 +18,10 @@ def _make_tiny(args: argparse.Namespace) -> int:
         r = json.loads(report.read_text())
         lo, hi = r["acc_band"]
         inside = "inside" if lo <= r["heldout_acc"] <= hi else "OUTSIDE"
-        print(f"make-tiny: held-out sampled accuracy {r['heldout_acc']:.3f} on {r['heldout_problems']} problems, "
-              f"{inside} the band {lo}-{hi}")
+        print(
+            f"make-tiny: held-out sampled accuracy {r['heldout_acc']:.3f} on {r['heldout_problems']} problems, "
+            f"{inside} the band {lo}-{hi}"
+        )
     return 0
 
 
@@ -47,11 +49,15 @@ def _check_resume_config(cfg, rdir) -> None:
         raise FileNotFoundError(f"--resume: {rdir} holds no run (no config.yaml)")
     saved = load_config(saved_path)
     new, old = _flat(dataclasses.asdict(cfg)), _flat(dataclasses.asdict(saved))
-    changed = sorted(k for k in new.keys() | old.keys() if new.get(k) != old.get(k) and k != "trainer.total_steps")
+    changed = sorted(
+        k for k in new.keys() | old.keys() if new.get(k) != old.get(k) and k != "trainer.total_steps"
+    )
     if changed:
         diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])
-        raise ValueError(f"--resume: the config differs from the run's own {saved_path} ({diff}); resume with "
-                         f"`sparkrl train {rdir} --resume` (only trainer.total_steps may change)")
+        raise ValueError(
+            f"--resume: the config differs from the run's own {saved_path} ({diff}); resume with "
+            f"`sparkrl train {rdir} --resume` (only trainer.total_steps may change)"
+        )
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -67,8 +73,10 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 def print_summary(s: dict) -> None:
     lines = [f"run: {s['run_dir']} ({s['steps']} steps, {s['seconds']:.0f} s)"]
     if s.get("eval_key"):
-        lines.append(f"{s['eval_key']}: {s['eval_start']:.3f} -> {s['eval_end']:.3f} "
-                     f"({s['eval_end'] - s['eval_start']:+.3f})")
+        lines.append(
+            f"{s['eval_key']}: {s['eval_start']:.3f} -> {s['eval_end']:.3f} "
+            f"({s['eval_end'] - s['eval_start']:+.3f})"
+        )
     if s.get("k3_kl_max") is not None:
         lines.append(f"rollout_corr/k3_kl: mean {s['k3_kl_mean']:.2e}, max {s['k3_kl_max']:.2e}")
     if s.get("report"):
@@ -91,15 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run GRPO: a recipe (or a run directory) plus key=value overrides")
     p.add_argument("recipe", help="recipe YAML, shipped recipe name (demo_cpu), or a run directory")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.lr=1e-5")
-    p.add_argument("--resume", action="store_true", help="continue from the run directory's newest checkpoint")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the run directory's newest checkpoint"
+    )
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("make-tiny", help="build a small test model (tokenizer trained locally, no hub access)")
+    p = sub.add_parser(
+        "make-tiny", help="build a small test model (tokenizer trained locally, no hub access)"
+    )
     p.add_argument("--arch", required=True, choices=["dense", "qwen3_moe", "muse"])
     p.add_argument("--out", required=True, help="directory to write the Hugging Face model to")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft", choices=["arith"], default=None,
-                   help="fine-tune on noisy arithmetic so held-out accuracy lands in 0.3-0.6 (cached)")
+    p.add_argument(
+        "--sft",
+        choices=["arith"],
+        default=None,
+        help="fine-tune on noisy arithmetic so held-out accuracy lands in 0.3-0.6 (cached)",
+    )
     p.set_defaults(func=_make_tiny)
 
     p = sub.add_parser("dequantize", help="write the BF16 twin of an NVFP4 compressed-tensors checkpoint")

@@ -55,8 +55,9 @@ class MakeTinyConfig:
     """Build the policy with `sparkrl make-tiny` (cached) instead of loading `model.path`: the CPU demo."""
 
     arch: str = _f("", "Tiny architecture to build ('' = off).", ("", "dense", "qwen3_moe", "muse"))
-    sft: str = _f("", "Supervised warm-up giving the tiny model a starting policy ('' = none).",
-                  ("", "arith"))
+    sft: str = _f(
+        "", "Supervised warm-up giving the tiny model a starting policy ('' = none).", ("", "arith")
+    )
     seed: int = _f(0, "Seed of the tiny model's initialisation and warm-up.")
 
 
@@ -64,9 +65,12 @@ class MakeTinyConfig:
 class ModelConfig:
     """The policy's base weights, for the trainer and for the rollout engine."""
 
-    path: str = _f("", "Trainer weights: a Hugging Face id or directory, or an NVFP4 compressed-tensors "
-                   "directory (dequantized to `model.dtype` on load). Required unless `model.make_tiny.arch` "
-                   "is set.")
+    path: str = _f(
+        "",
+        "Trainer weights: a Hugging Face id or directory, or an NVFP4 compressed-tensors "
+        "directory (dequantized to `model.dtype` on load). Required unless `model.make_tiny.arch` "
+        "is set.",
+    )
     rollout_path: str = _f("", "Rollout weights, e.g. the NVFP4 checkpoint ('' = same as `model.path`).")
     dtype: str = _f("bfloat16", "Dtype of the frozen base weights on both sides.", ("bfloat16", "float32"))
     trust_remote_code: bool = _f(False, "Allow model code shipped with the checkpoint (transformers, vLLM).")
@@ -80,26 +84,36 @@ class RolloutConfig:
     n: int = _f(8, "Samples per prompt (the GRPO group size).", ge=1)
     temperature: float = _f(1.0, "Sampling temperature.", gt=0)
     top_p: float = _f(1.0, "Nucleus sampling threshold (1.0 = off).", gt=0, le=1)
-    max_prompt_len: int = _f(2048, "Longest prompt in tokens; longer prompts are dropped from the data.",
-                             ge=1)
+    max_prompt_len: int = _f(
+        2048, "Longest prompt in tokens; longer prompts are dropped from the data.", ge=1
+    )
     max_response_len: int = _f(4096, "Most tokens generated for one response.", ge=1)
     num_workers: int = _f(1, "Rollout engines (vLLM instances).", ge=1)
     tensor_parallel_size: int = _f(1, "GPUs per rollout engine.", ge=1)
-    gpu_memory_utilization: float = _f(0.5, "Fraction of each GPU's memory vLLM may take (weights and KV "
-                                       "cache).", gt=0, le=1)
-    max_model_len: int = _f(0, "vLLM context length (0 = max_prompt_len + the longer of max_response_len and "
-                            "`eval.max_response_len`).", ge=0)
+    gpu_memory_utilization: float = _f(
+        0.5, "Fraction of each GPU's memory vLLM may take (weights and KV cache).", gt=0, le=1
+    )
+    max_model_len: int = _f(
+        0,
+        "vLLM context length (0 = max_prompt_len + the longer of max_response_len and "
+        "`eval.max_response_len`).",
+        ge=0,
+    )
     enforce_eager: bool = _f(False, "Disable CUDA graphs (faster start, slower decode).")
     max_num_seqs: int = _f(256, "Most sequences a vLLM engine decodes at once.", ge=1)
     seed: int = _f("${run.seed}", "Sampling seed.")
-    cpu_kvcache_gb: float = _f(0.0, "KV cache size in GiB on the vLLM CPU backend (0 = vLLM's default).",
-                               ge=0)
-    placement: str = _f("colocated", "Share GPUs with the trainer (colocated) or use GPUs of their own "
-                        "(split).",
-                        ("colocated", "split"))
+    cpu_kvcache_gb: float = _f(
+        0.0, "KV cache size in GiB on the vLLM CPU backend (0 = vLLM's default).", ge=0
+    )
+    placement: str = _f(
+        "colocated",
+        "Share GPUs with the trainer (colocated) or use GPUs of their own (split).",
+        ("colocated", "split"),
+    )
     enable_prefix_caching: bool = _f(True, "Reuse the KV cache of a shared prompt across its n samples.")
-    moe_backend: str = _f("auto", "MoE kernel for quantized experts (marlin: weight-only FP4 on Hopper).",
-                          ("auto", "marlin"))
+    moe_backend: str = _f(
+        "auto", "MoE kernel for quantized experts (marlin: weight-only FP4 on Hopper).", ("auto", "marlin")
+    )
 
 
 @dataclass
@@ -111,26 +125,41 @@ class TrainerConfig:
     lr: float = _f(1.0e-5, "Peak learning rate of the LoRA parameters.", gt=0)
     lr_schedule: str = _f("constant", "Schedule after warm-up.", ("constant", "cosine"))
     warmup_steps: int = _f(0, "Linear warm-up from 0 to `trainer.lr`, in optimizer steps.", ge=0)
-    min_lr_ratio: float = _f(0.0, "Final learning rate of the cosine schedule, as a fraction of "
-                             "`trainer.lr`.",
-                             ge=0, le=1)
+    min_lr_ratio: float = _f(
+        0.0, "Final learning rate of the cosine schedule, as a fraction of `trainer.lr`.", ge=0, le=1
+    )
     weight_decay: float = _f(0.0, "AdamW weight decay.", ge=0)
     betas: list[float] = _f([0.9, 0.999], "AdamW betas [beta1, beta2], each in [0, 1).")
     eps: float = _f(1.0e-8, "AdamW epsilon.", gt=0)
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 = no clipping).", ge=0)
     ppo_epochs: int = _f(1, "Passes over each batch.", ge=1)
-    mini_batch_size: int = _f(0, "Prompts per optimizer step, each with its `rollout.n` samples (0 = the "
-                              "whole batch: one optimizer step per epoch).", ge=0)
-    micro_batch_tokens: int = _f(16384, "Token budget of one forward/backward per rank (sequences are packed "
-                                 "up to it; 0 = use `trainer.micro_batch_size`).", ge=0)
-    micro_batch_size: int = _f(0, "Sequences per forward/backward per rank, when `micro_batch_tokens` is 0.",
-                               ge=0)
+    mini_batch_size: int = _f(
+        0,
+        "Prompts per optimizer step, each with its `rollout.n` samples (0 = the "
+        "whole batch: one optimizer step per epoch).",
+        ge=0,
+    )
+    micro_batch_tokens: int = _f(
+        16384,
+        "Token budget of one forward/backward per rank (sequences are packed "
+        "up to it; 0 = use `trainer.micro_batch_size`).",
+        ge=0,
+    )
+    micro_batch_size: int = _f(
+        0, "Sequences per forward/backward per rank, when `micro_batch_tokens` is 0.", ge=0
+    )
     activation_checkpointing: bool = _f(True, "Recompute each decoder layer's activations in backward.")
+    compile: bool = _f(
+        True,
+        "torch.compile each decoder layer on GPU (fuses the element-wise work; the first "
+        "step compiles for a minute or two). Ignored on CPU.",
+    )
     dtype: str = _f("float32", "Dtype of the LoRA parameters and optimizer state.", ("float32", "bfloat16"))
     checkpoint_every: int = _f(50, "Save a checkpoint every N steps (0 = only at the end).", ge=0)
     keep_checkpoints: int = _f(3, "Most recent checkpoints kept (0 = keep all).", ge=0)
-    max_skipped_steps: int = _f(3, "Consecutive steps skipped for a non-finite loss or gradient before the "
-                                "run fails.", ge=0)
+    max_skipped_steps: int = _f(
+        3, "Consecutive steps skipped for a non-finite loss or gradient before the run fails.", ge=0
+    )
 
 
 @dataclass
@@ -140,8 +169,10 @@ class LoraConfig:
     rank: int = _f(32, "LoRA rank r.", ge=1)
     alpha: float = _f(64.0, "LoRA alpha; the update is scaled by alpha / r.", gt=0)
     dropout: float = _f(0.0, "Dropout on the LoRA input.", ge=0, lt=1)
-    target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"],
-                                   "Module names (last path component) that get an adapter: attention here.")
+    target_modules: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "Module names (last path component) that get an adapter: attention here.",
+    )
     target_experts: bool = _f(True, "Adapters on every routed expert's `lora.expert_modules`.")
     expert_modules: list[str] = _f(["gate_proj", "up_proj", "down_proj"], "Projections of a routed expert.")
     target_latent: bool = _f(False, "Adapters on the latent MoE pooler and unpooler (Muse Spark Open).")
@@ -152,12 +183,19 @@ class LoraConfig:
 class RolloutCorrectionConfig:
     """Importance weights pi_trainer / pi_rollout that correct for rollout-trainer mismatch."""
 
-    tis_cap: float = _f(0.0, "Truncated importance sampling: weight each token by min(ratio, cap) (0 = off; "
-                        "else at least 1).", ge=0)
-    mis_low: float = _f(0.0, "Masked importance sampling: drop tokens whose ratio is below this (0 = off).",
-                        ge=0, lt=1)
-    mis_high: float = _f(0.0, "Masked importance sampling: drop tokens whose ratio is above this (0 = off; "
-                         "else above 1).", ge=0)
+    tis_cap: float = _f(
+        0.0,
+        "Truncated importance sampling: weight each token by min(ratio, cap) (0 = off; else at least 1).",
+        ge=0,
+    )
+    mis_low: float = _f(
+        0.0, "Masked importance sampling: drop tokens whose ratio is below this (0 = off).", ge=0, lt=1
+    )
+    mis_high: float = _f(
+        0.0,
+        "Masked importance sampling: drop tokens whose ratio is above this (0 = off; else above 1).",
+        ge=0,
+    )
 
 
 @dataclass
@@ -165,16 +203,18 @@ class DynamicSamplingConfig:
     """DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompts."""
 
     enabled: bool = _f(False, "Turn dynamic sampling on.")
-    max_draws: int = _f(10, "Most prompt batches drawn for one step; then train on the groups kept so far.",
-                        ge=1)
+    max_draws: int = _f(
+        10, "Most prompt batches drawn for one step; then train on the groups kept so far.", ge=1
+    )
 
 
 @dataclass
 class OverlongConfig:
     """DAPO overlong reward shaping: a penalty growing over the last tokens before the length limit."""
 
-    buffer_len: int = _f(0, "Tokens before `rollout.max_response_len` over which the penalty ramps "
-                         "(0 = off).", ge=0)
+    buffer_len: int = _f(
+        0, "Tokens before `rollout.max_response_len` over which the penalty ramps (0 = off).", ge=0
+    )
     penalty_factor: float = _f(1.0, "Penalty at the length limit.", ge=0)
 
 
@@ -184,13 +224,17 @@ class AlgorithmConfig:
 
     adv_estimator: str = _f("grpo", "Advantage estimator.", ("grpo", "drgrpo", "rloo"))
     norm_adv_by_std: bool = _f(True, "Divide group-centred rewards by the group's standard deviation.")
-    policy_loss: str = _f("vanilla", "Token-level clipped PPO (vanilla) or sequence-level ratio (gspo).",
-                          ("vanilla", "gspo"))
+    policy_loss: str = _f(
+        "vanilla", "Token-level clipped PPO (vanilla) or sequence-level ratio (gspo).", ("vanilla", "gspo")
+    )
     clip_ratio_low: float = _f(0.2, "Lower clip: ratio >= 1 - clip_ratio_low.", ge=0, le=1)
     clip_ratio_high: float = _f(0.28, "Upper clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher).", ge=0)
     clip_ratio_c: float = _f(3.0, "Dual-clip bound for negative advantages.", gt=1)
-    loss_agg_mode: str = _f("token-mean", "How token losses are averaged.",
-                            ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    loss_agg_mode: str = _f(
+        "token-mean",
+        "How token losses are averaged.",
+        ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    )
     entropy_coeff: float = _f(0.0, "Entropy bonus coefficient.", ge=0)
     kl_coef: float = _f(0.0, "KL penalty to the base model (the adapter switched off); 0 = none.", ge=0)
     rollout_correction: RolloutCorrectionConfig = _f(RolloutCorrectionConfig, "Mismatch correction.")
@@ -221,8 +265,9 @@ class DataConfig:
     shuffle: bool = _f(True, "Shuffle the training prompts each epoch.")
     seed: int = _f("${run.seed}", "Shuffling seed.")
     prompt_key: str = _f("prompt", "Column holding the chat messages.")
-    chat_template_kwargs: dict[str, Any] = _f({}, "Extra arguments to the tokenizer's chat template (e.g. "
-                                              "`{enable_thinking: false}` for Qwen3).")
+    chat_template_kwargs: dict[str, Any] = _f(
+        {}, "Extra arguments to the tokenizer's chat template (e.g. `{enable_thinking: false}` for Qwen3)."
+    )
     arith: ArithConfig = _f(ArithConfig, "Knobs of `synthetic:arith`.")
 
 
@@ -230,8 +275,9 @@ class DataConfig:
 class RewardConfig:
     """Scoring of responses against the ground truth."""
 
-    backend: str = _f("math_dapo", "Verifier: DAPO's 'Answer:' line match, or math-verify.",
-                      ("math_dapo", "math_verify"))
+    backend: str = _f(
+        "math_dapo", "Verifier: DAPO's 'Answer:' line match, or math-verify.", ("math_dapo", "math_verify")
+    )
     timeout_s: float = _f(10.0, "Seconds allowed to score one response (then reward 0).", gt=0)
     num_workers: int = _f(0, "Scoring processes (0 = in the driver).", ge=0)
 
@@ -253,9 +299,12 @@ class EvalConfig:
 class SyncConfig:
     """How the updated policy reaches the rollout workers after each step."""
 
-    mode: str = _f("adapter", "Ship the LoRA adapter (adapter), or merge it into the base weights and push "
-                   "them (merged: for backends with no MoE-LoRA kernel, such as vLLM on CPU).",
-                   ("adapter", "merged"))
+    mode: str = _f(
+        "adapter",
+        "Ship the LoRA adapter (adapter), or merge it into the base weights and push "
+        "them (merged: for backends with no MoE-LoRA kernel, such as vLLM on CPU).",
+        ("adapter", "merged"),
+    )
 
 
 @dataclass
@@ -270,9 +319,12 @@ class MonitorConfig:
     """Health checks on `rollout_corr/k3_kl` (trainer vs rollout log-probs before any update)."""
 
     k3_kl_max: float = _f(0.01, "Largest allowed k3 KL of a step (0 = no check).", ge=0)
-    k3_kl_trend_max: float = _f(5.0, "Largest allowed ratio of the mean k3 KL over the last "
-                                "`monitor.trend_window` steps to that over the first ones (0 = no check).",
-                                ge=0)
+    k3_kl_trend_max: float = _f(
+        5.0,
+        "Largest allowed ratio of the mean k3 KL over the last "
+        "`monitor.trend_window` steps to that over the first ones (0 = no check).",
+        ge=0,
+    )
     trend_window: int = _f(10, "Steps averaged at each end for the trend check.", ge=1)
     stop_on_violation: bool = _f(False, "Stop the run on a violation (otherwise warn and record it).")
 
@@ -372,8 +424,12 @@ def describe_bounds(bounds: dict) -> str:
 
 
 def _in_bounds(value: float, b: dict) -> bool:
-    return ((b["ge"] is None or value >= b["ge"]) and (b["gt"] is None or value > b["gt"])
-            and (b["le"] is None or value <= b["le"]) and (b["lt"] is None or value < b["lt"]))
+    return (
+        (b["ge"] is None or value >= b["ge"])
+        and (b["gt"] is None or value > b["gt"])
+        and (b["le"] is None or value <= b["le"])
+        and (b["lt"] is None or value < b["lt"])
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -464,7 +520,8 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict:
         key = loader.construct_object(key_node)
         if key in first_line:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key '{key}' (first at line {first_line[key]})", key_node.start_mark)
+                None, None, f"duplicate key '{key}' (first at line {first_line[key]})", key_node.start_mark
+            )
         first_line[key] = key_node.start_mark.line + 1
     return loader.construct_mapping(node)
 
@@ -529,8 +586,9 @@ def find_recipe(recipe: str | Path) -> Path:
             shipped = None
         if shipped is not None and shipped.is_file():
             return shipped
-    raise ConfigError([f"{recipe}: no such recipe file (nor a run directory with config.yaml, "
-                       "nor a shipped recipe)"])
+    raise ConfigError(
+        [f"{recipe}: no such recipe file (nor a run directory with config.yaml, nor a shipped recipe)"]
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -563,8 +621,12 @@ def load_config(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ())
     try:
         obj = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as e:
-        raise ConfigError([f"{where}: {e.full_key}: required value is missing (set it in the recipe or with "
-                           f"{e.full_key}=...)"]) from None
+        raise ConfigError(
+            [
+                f"{where}: {e.full_key}: required value is missing (set it in the recipe or with "
+                f"{e.full_key}=...)"
+            ]
+        ) from None
     except OmegaConfBaseException as e:  # a bad ${...} interpolation
         first_line = str(e.msg).splitlines()[0]
         raise ConfigError([f"{origin.get(e.full_key, where)}: {e.full_key}: {first_line}"]) from None
@@ -636,56 +698,108 @@ def validate(cfg: SparkConfig) -> list[tuple[str, str]]:
     da, ev, res = cfg.data, cfg.eval, cfg.resources
     rc = al.rollout_correction
     need(bool(cfg.run.name.strip()), "run.name", "must not be empty")
-    need(bool(cfg.model.path) or bool(cfg.model.make_tiny.arch), "model.path", "required value is missing "
-         "(a Hugging Face id or checkpoint directory), unless model.make_tiny.arch is set")
-    need(ro.n != 1, "rollout.n", f"{al.adv_estimator} compares samples within a group: need at least 2, "
-         "got 1")
-    need(len(tr.betas) == 2 and all(0 <= b < 1 for b in tr.betas), "trainer.betas",
-         f"must be two numbers in [0, 1), got {tr.betas}")
-    need(tr.warmup_steps == 0 or tr.warmup_steps < tr.total_steps, "trainer.warmup_steps",
-         f"must be less than trainer.total_steps ({tr.total_steps}), got {tr.warmup_steps}")
-    need(tr.mini_batch_size == 0 or da.train_batch_size % tr.mini_batch_size == 0, "trainer.mini_batch_size",
-         f"must divide data.train_batch_size ({da.train_batch_size}), got {tr.mini_batch_size}")
-    need(tr.micro_batch_tokens > 0 or tr.micro_batch_size > 0, "trainer.micro_batch_tokens",
-         "trainer.micro_batch_tokens or trainer.micro_batch_size must be positive")
+    need(
+        bool(cfg.model.path) or bool(cfg.model.make_tiny.arch),
+        "model.path",
+        "required value is missing "
+        "(a Hugging Face id or checkpoint directory), unless model.make_tiny.arch is set",
+    )
+    need(
+        ro.n != 1, "rollout.n", f"{al.adv_estimator} compares samples within a group: need at least 2, got 1"
+    )
+    need(
+        len(tr.betas) == 2 and all(0 <= b < 1 for b in tr.betas),
+        "trainer.betas",
+        f"must be two numbers in [0, 1), got {tr.betas}",
+    )
+    need(
+        tr.warmup_steps == 0 or tr.warmup_steps < tr.total_steps,
+        "trainer.warmup_steps",
+        f"must be less than trainer.total_steps ({tr.total_steps}), got {tr.warmup_steps}",
+    )
+    need(
+        tr.mini_batch_size == 0 or da.train_batch_size % tr.mini_batch_size == 0,
+        "trainer.mini_batch_size",
+        f"must divide data.train_batch_size ({da.train_batch_size}), got {tr.mini_batch_size}",
+    )
+    need(
+        tr.micro_batch_tokens > 0 or tr.micro_batch_size > 0,
+        "trainer.micro_batch_tokens",
+        "trainer.micro_batch_tokens or trainer.micro_batch_size must be positive",
+    )
     longest = ro.max_prompt_len + ro.max_response_len
-    need(tr.micro_batch_tokens == 0 or tr.micro_batch_tokens >= longest, "trainer.micro_batch_tokens",
-         f"must hold one whole sequence (rollout.max_prompt_len + rollout.max_response_len = {longest}), "
-         f"got {tr.micro_batch_tokens}")
+    need(
+        tr.micro_batch_tokens == 0 or tr.micro_batch_tokens >= longest,
+        "trainer.micro_batch_tokens",
+        f"must hold one whole sequence (rollout.max_prompt_len + rollout.max_response_len = {longest}), "
+        f"got {tr.micro_batch_tokens}",
+    )
     context = ro.max_prompt_len + max(ro.max_response_len, ev.max_response_len)
-    need(ro.max_model_len == 0 or ro.max_model_len >= context, "rollout.max_model_len",
-         f"must be 0 or at least rollout.max_prompt_len + the longer of rollout.max_response_len and "
-         f"eval.max_response_len = {context}, got {ro.max_model_len}")
-    need(al.overlong.buffer_len == 0 or al.overlong.buffer_len < ro.max_response_len,
-         "algorithm.overlong.buffer_len",
-         f"must be less than rollout.max_response_len ({ro.max_response_len}), got {al.overlong.buffer_len}")
-    need(rc.tis_cap == 0 or rc.tis_cap >= 1, "algorithm.rollout_correction.tis_cap",
-         f"must be 0 (off) or at least 1, got {rc.tis_cap}")
-    need(rc.mis_high == 0 or rc.mis_high > max(rc.mis_low, 1.0), "algorithm.rollout_correction.mis_high",
-         f"must be 0 (off) or above 1, got {rc.mis_high}")
+    need(
+        ro.max_model_len == 0 or ro.max_model_len >= context,
+        "rollout.max_model_len",
+        f"must be 0 or at least rollout.max_prompt_len + the longer of rollout.max_response_len and "
+        f"eval.max_response_len = {context}, got {ro.max_model_len}",
+    )
+    need(
+        al.overlong.buffer_len == 0 or al.overlong.buffer_len < ro.max_response_len,
+        "algorithm.overlong.buffer_len",
+        f"must be less than rollout.max_response_len ({ro.max_response_len}), got {al.overlong.buffer_len}",
+    )
+    need(
+        rc.tis_cap == 0 or rc.tis_cap >= 1,
+        "algorithm.rollout_correction.tis_cap",
+        f"must be 0 (off) or at least 1, got {rc.tis_cap}",
+    )
+    need(
+        rc.mis_high == 0 or rc.mis_high > max(rc.mis_low, 1.0),
+        "algorithm.rollout_correction.mis_high",
+        f"must be 0 (off) or above 1, got {rc.mis_high}",
+    )
     has_target = bool(lo.target_modules) or lo.target_experts or lo.target_latent or bool(lo.extra)
-    need(has_target, "lora.target_modules",
-         "the adapter has no targets: set lora.target_modules, target_experts, target_latent or extra")
-    need(not lo.target_experts or bool(lo.expert_modules), "lora.expert_modules",
-         "must not be empty when lora.target_experts is true")
+    need(
+        has_target,
+        "lora.target_modules",
+        "the adapter has no targets: set lora.target_modules, target_experts, target_latent or extra",
+    )
+    need(
+        not lo.target_experts or bool(lo.expert_modules),
+        "lora.expert_modules",
+        "must not be empty when lora.target_experts is true",
+    )
     if lo.extra:
         try:
             re.compile(lo.extra)
         except re.error as e:
             out.append(("lora.extra", f"not a valid regular expression: {e}"))
-    need(bool(da.arith.ops) and not set(da.arith.ops) - set("+-*"), "data.arith.ops",
-         f"must be a non-empty string over '+', '-', '*', got {da.arith.ops!r}")
-    need(res.num_gpus <= res.nodes * res.gpus_per_node, "resources.num_gpus",
-         f"must be at most resources.nodes x resources.gpus_per_node = {res.nodes * res.gpus_per_node}, "
-         f"got {res.num_gpus}")
+    need(
+        bool(da.arith.ops) and not set(da.arith.ops) - set("+-*"),
+        "data.arith.ops",
+        f"must be a non-empty string over '+', '-', '*', got {da.arith.ops!r}",
+    )
+    need(
+        res.num_gpus <= res.nodes * res.gpus_per_node,
+        "resources.num_gpus",
+        f"must be at most resources.nodes x resources.gpus_per_node = {res.nodes * res.gpus_per_node}, "
+        f"got {res.num_gpus}",
+    )
     if res.num_gpus > 0:
         rollout_gpus = ro.num_workers * ro.tensor_parallel_size
-        need(tr.num_ranks <= res.num_gpus, "trainer.num_ranks",
-             f"must be at most resources.num_gpus ({res.num_gpus}), got {tr.num_ranks}")
-        need(rollout_gpus <= res.num_gpus, "rollout.num_workers",
-             f"rollout.num_workers x rollout.tensor_parallel_size = {rollout_gpus} GPUs, more than "
-             f"resources.num_gpus ({res.num_gpus})")
-        need(ro.placement != "split" or rollout_gpus + tr.num_ranks <= res.num_gpus, "rollout.placement",
-             f"split placement needs {rollout_gpus} rollout + {tr.num_ranks} trainer GPUs, more than "
-             f"resources.num_gpus ({res.num_gpus})")
+        need(
+            tr.num_ranks <= res.num_gpus,
+            "trainer.num_ranks",
+            f"must be at most resources.num_gpus ({res.num_gpus}), got {tr.num_ranks}",
+        )
+        need(
+            rollout_gpus <= res.num_gpus,
+            "rollout.num_workers",
+            f"rollout.num_workers x rollout.tensor_parallel_size = {rollout_gpus} GPUs, more than "
+            f"resources.num_gpus ({res.num_gpus})",
+        )
+        need(
+            ro.placement != "split" or rollout_gpus + tr.num_ranks <= res.num_gpus,
+            "rollout.placement",
+            f"split placement needs {rollout_gpus} rollout + {tr.num_ranks} trainer GPUs, more than "
+            f"resources.num_gpus ({res.num_gpus})",
+        )
     return out

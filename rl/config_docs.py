@@ -1,7 +1,7 @@
 """Generate docs/config.md from the schema in rl/config.py: every section, key, type, default and doc line.
 
-    python -m rl.config_docs            # rewrite docs/config.md
-    python -m rl.config_docs --check    # exit 1 if docs/config.md is stale
+python -m rl.config_docs            # rewrite docs/config.md
+python -m rl.config_docs --check    # exit 1 if docs/config.md is stale
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="fail if docs/config.md is stale")
     parser.add_argument("--out", type=Path, default=DOCS_PATH)
     args = parser.parse_args(argv)

@@ -47,16 +47,25 @@ class Run:
         self.adv_estimator = c.trainer_spec.algo.adv_estimator
         self.colocated = c.rollout.spec.enable_sleep_mode  # GPU, rollout.placement=colocated
         self.owns_ray = c.owns_ray
-        self.loader = PromptLoader(c.train_prompts, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        self.loader = PromptLoader(
+            c.train_prompts, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed
+        )
         self.eval_prompts: list[Prompt] = c.eval_prompts
         self.monitor = KLMonitor(cfg.monitor.k3_kl_max, cfg.monitor.k3_kl_trend_max, cfg.monitor.trend_window)
         self.step, self.version, self.skipped_in_a_row, self.skipped_total = 0, 0, 0, 0
         self.eval_history: list[tuple[int, dict]] = []
         if resume and latest_checkpoint(self.dir) is not None:
             self._resume(latest_checkpoint(self.dir))
-        self.log = MetricsLogger(self.dir, cfg.trainer.total_steps, self.step, cfg.logging.console_every,
-                                 cfg.logging.tensorboard, cfg.logging.wandb_project, cfg.logging.wandb_entity,
-                                 cfg.run.name)
+        self.log = MetricsLogger(
+            self.dir,
+            cfg.trainer.total_steps,
+            self.step,
+            cfg.logging.console_every,
+            cfg.logging.tensorboard,
+            cfg.logging.wandb_project,
+            cfg.logging.wandb_entity,
+            cfg.run.name,
+        )
         self._stop_signal: str | None = None
 
     # ------------------------------------------------------------------------------------------------
@@ -78,8 +87,10 @@ class Run:
                 if self._checkpoint_due(self.step):
                     self.checkpoint()
                 if self._stop_signal:
-                    self.log.event(f"[yellow]{self._stop_signal}: checkpoint written at step {self.step}; "
-                                   f"continue with --resume")
+                    self.log.event(
+                        f"[yellow]{self._stop_signal}: checkpoint written at step {self.step}; "
+                        f"continue with --resume"
+                    )
                     break
         finally:
             self.log.close()
@@ -134,13 +145,19 @@ class Run:
 
         n_resp = sum(len(s.response_ids) for s in samples)
         n_all = sum(s.num_tokens for s in samples)
-        metrics.update({
-            "perf/step_s": t_end - t0, "perf/rollout_s": t_rollout - t0, "perf/logprob_s": t_train - t_rollout,
-            "perf/train_s": t_sync - t_train, "perf/sync_s": t_end - t_sync,
-            "perf/rollout_tokens_per_s": n_resp / max(gen_s, 1e-9),
-            "perf/train_tokens_per_s": n_all / max(t_sync - t_train, 1e-9),
-            "adapter/version": self.version, "actor/lr": metrics.get("actor/lr", float("nan")),
-        })
+        metrics.update(
+            {
+                "perf/step_s": t_end - t0,
+                "perf/rollout_s": t_rollout - t0,
+                "perf/logprob_s": t_train - t_rollout,
+                "perf/train_s": t_sync - t_train,
+                "perf/sync_s": t_end - t_sync,
+                "perf/rollout_tokens_per_s": n_resp / max(gen_s, 1e-9),
+                "perf/train_tokens_per_s": n_all / max(t_sync - t_train, 1e-9),
+                "adapter/version": self.version,
+                "actor/lr": metrics.get("actor/lr", float("nan")),
+            }
+        )
         return metrics
 
     def collect_batch(self, step: int, metrics: dict) -> tuple[list[Sample], float]:
@@ -154,16 +171,18 @@ class Run:
         for draw in range(draws):
             prompts = self.loader.next_batch(want if draw == 0 else want - len({s.group for s in kept}))
             t = time.perf_counter()
-            samples = self.rollout.generate(prompt_requests(prompts, offset=draw * want),
-                                            self._sampling(step * 64 + draw))
+            samples = self.rollout.generate(
+                prompt_requests(prompts, offset=draw * want), self._sampling(step * 64 + draw)
+            )
             gen_s += time.perf_counter() - t
             reward_errors += self._score(samples)
             all_samples.extend(samples)
             if not cfg.algorithm.dynamic_sampling.enabled:
                 kept = samples
                 break
-            keep, _ = algo.filter_groups(torch.tensor([s.reward for s in samples]),
-                                         torch.tensor([s.group for s in samples]))
+            keep, _ = algo.filter_groups(
+                torch.tensor([s.reward for s in samples]), torch.tensor([s.group for s in samples])
+            )
             kept.extend(s for s, k in zip(samples, keep.tolist()) if k)
             if len({s.group for s in kept}) >= want:
                 break
@@ -187,15 +206,18 @@ class Run:
         from rl.evaluation import eval_metrics, records_from_samples, records_path, write_records
 
         cfg = self.cfg
-        samples = self.rollout.generate(prompt_requests(self.eval_prompts),
-                                        self._sampling(-1 - step, eval=True))
+        samples = self.rollout.generate(
+            prompt_requests(self.eval_prompts), self._sampling(-1 - step, eval=True)
+        )
         responses = self._score(samples, return_responses=True)
         records = records_from_samples(samples, responses)
         write_records(records_path(self.dir, step), records)
         metrics = eval_metrics(records, k=cfg.eval.k)
         self.eval_history.append((step, metrics))
-        self.log.event(f"[cyan]eval step {step}: " + "  ".join(
-            f"{k.removeprefix('val-core/')} {v:.3f}" for k, v in metrics.items()))
+        self.log.event(
+            f"[cyan]eval step {step}: "
+            + "  ".join(f"{k.removeprefix('val-core/')} {v:.3f}" for k, v in metrics.items())
+        )
         return metrics
 
     # ------------------------------------------------------------------------------------------------
@@ -213,8 +235,9 @@ class Run:
         ov = self.cfg.algorithm.overlong
         if ov.buffer_len > 0:
             lengths = torch.tensor([len(s.response_ids) for s in samples])
-            penalty = algo.overlong_penalty(lengths, self.cfg.rollout.max_response_len, ov.buffer_len,
-                                            ov.penalty_factor)
+            penalty = algo.overlong_penalty(
+                lengths, self.cfg.rollout.max_response_len, ov.buffer_len, ov.penalty_factor
+            )
             for s, p in zip(samples, penalty.tolist()):
                 s.reward += p
         return responses if return_responses else float(results.errors)
@@ -223,13 +246,17 @@ class Run:
         if train_metrics.get("actor/skipped_step", 0):
             self.skipped_in_a_row += 1
             self.skipped_total += 1
-            self.log.event(f"[red]step {step}: non-finite loss or gradient; update skipped "
-                           f"({self.skipped_in_a_row} in a row)")
+            self.log.event(
+                f"[red]step {step}: non-finite loss or gradient; update skipped "
+                f"({self.skipped_in_a_row} in a row)"
+            )
             limit = self.cfg.trainer.max_skipped_steps
             if limit and self.skipped_in_a_row >= limit:
-                raise StopRun(f"step {step}: {self.skipped_in_a_row} updates in a row had a non-finite loss or "
-                              f"gradient (trainer.max_skipped_steps={limit}); lower trainer.lr, check the data, or "
-                              f"resume from {latest_checkpoint(self.dir)}")
+                raise StopRun(
+                    f"step {step}: {self.skipped_in_a_row} updates in a row had a non-finite loss or "
+                    f"gradient (trainer.max_skipped_steps={limit}); lower trainer.lr, check the data, or "
+                    f"resume from {latest_checkpoint(self.dir)}"
+                )
         else:
             self.skipped_in_a_row = 0
         train_metrics["train/skipped_steps"] = self.skipped_total
@@ -239,22 +266,38 @@ class Run:
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.eval.every
-        return self._has_eval() and ((every > 0 and step % every == 0) or step == self.cfg.trainer.total_steps)
+        return self._has_eval() and (
+            (every > 0 and step % every == 0) or step == self.cfg.trainer.total_steps
+        )
 
     def _checkpoint_due(self, step: int) -> bool:
         every = self.cfg.trainer.checkpoint_every
-        return bool(self._stop_signal) or step == self.cfg.trainer.total_steps or (every > 0 and step % every == 0)
+        return (
+            bool(self._stop_signal)
+            or step == self.cfg.trainer.total_steps
+            or (every > 0 and step % every == 0)
+        )
 
     # ------------------------------------------------------------------------------------------------
     # Checkpoint, resume, signals
     # ------------------------------------------------------------------------------------------------
 
     def checkpoint(self) -> Path:
-        state = {"step": self.step, "adapter_version": self.version, "loader": self.loader.state_dict(),
-                 "monitor": self.monitor.state_dict(), "skipped_total": self.skipped_total,
-                 "eval_history": self.eval_history}
-        path = save_checkpoint(self.dir, self.step, state, lambda d: self.trainer.save_checkpoint(str(d)),
-                               keep=self.cfg.trainer.keep_checkpoints)
+        state = {
+            "step": self.step,
+            "adapter_version": self.version,
+            "loader": self.loader.state_dict(),
+            "monitor": self.monitor.state_dict(),
+            "skipped_total": self.skipped_total,
+            "eval_history": self.eval_history,
+        }
+        path = save_checkpoint(
+            self.dir,
+            self.step,
+            state,
+            lambda d: self.trainer.save_checkpoint(str(d)),
+            keep=self.cfg.trainer.keep_checkpoints,
+        )
         self.log.event(f"checkpoint: {path}")
         return path
 
@@ -276,16 +319,20 @@ class Run:
                 raise FileNotFoundError(f"--resume: {self.dir} holds no run (no config.yaml)")
             return
         if (self.dir / "metrics.jsonl").exists() or (self.dir / "checkpoints").exists():
-            raise FileExistsError(f"run directory {self.dir} already holds a run: pass --resume to continue it, "
-                                  f"or choose another run.name")
+            raise FileExistsError(
+                f"run directory {self.dir} already holds a run: pass --resume to continue it, "
+                f"or choose another run.name"
+            )
 
     def _install_signal_handlers(self) -> None:
         def handler(signum, frame):
             if self._stop_signal:  # second signal: stop now
                 raise KeyboardInterrupt
             self._stop_signal = signal.Signals(signum).name
-            self.log.event(f"[yellow]{self._stop_signal}: finishing step {self.step}, then checkpoint and exit "
-                           f"(send again to stop at once)")
+            self.log.event(
+                f"[yellow]{self._stop_signal}: finishing step {self.step}, then checkpoint and exit "
+                f"(send again to stop at once)"
+            )
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, handler)
@@ -295,8 +342,13 @@ class Run:
 
         records = read_metrics(self.dir)
         kls = [r["rollout_corr/k3_kl"] for r in records if isinstance(r.get("rollout_corr/k3_kl"), float)]
-        out = {"run_dir": str(self.dir), "steps": self.step, "seconds": round(seconds, 1),
-               "k3_kl_mean": float(np.mean(kls)) if kls else None, "k3_kl_max": max(kls) if kls else None}
+        out = {
+            "run_dir": str(self.dir),
+            "steps": self.step,
+            "seconds": round(seconds, 1),
+            "k3_kl_mean": float(np.mean(kls)) if kls else None,
+            "k3_kl_max": max(kls) if kls else None,
+        }
         if self.eval_history:
             key = next((k for k in self.eval_history[0][1] if "/acc/mean@" in k), None)
             if key:

@@ -25,7 +25,9 @@ def resolve_target(recipe: str, overrides: list[str], adapter: str | None) -> tu
             raise FileNotFoundError(f"eval: run directory {recipe} has no checkpoint yet; pass --adapter DIR")
         return cfg, ckpt / "trainer"
     if adapter is not None and not (Path(adapter) / "adapter_config.json").exists():
-        raise FileNotFoundError(f"eval: --adapter {adapter} has no adapter_config.json (a PEFT adapter directory)")
+        raise FileNotFoundError(
+            f"eval: --adapter {adapter} has no adapter_config.json (a PEFT adapter directory)"
+        )
     return cfg, Path(adapter) if adapter else None
 
 
@@ -58,8 +60,11 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     prompts = load_prompts_for(cfg, cfg.eval.data, tokenizer, "test", cfg.data.arith.eval_rows)
     owns_ray = init_ray(cfg)
-    pool = RolloutPool(engine_spec_from_config(cfg, rollout_path), cfg.rollout.num_workers,
-                       stage_dir=str(default_stage_root(f"{cfg.run.name}-eval")))
+    pool = RolloutPool(
+        engine_spec_from_config(cfg, rollout_path),
+        cfg.rollout.num_workers,
+        stage_dir=str(default_stage_root(f"{cfg.run.name}-eval")),
+    )
     try:
         if adapter is not None:
             if cfg.sync.mode == "adapter":
@@ -82,8 +87,12 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
 
 
 def register(sub) -> None:
-    p = sub.add_parser("eval", help="mean@k, maj@k and best@k of a model (and adapter) on the rollout workers")
-    p.add_argument("recipe", help="recipe YAML, shipped recipe name, or a run directory (its newest checkpoint)")
+    p = sub.add_parser(
+        "eval", help="mean@k, maj@k and best@k of a model (and adapter) on the rollout workers"
+    )
+    p.add_argument(
+        "recipe", help="recipe YAML, shipped recipe name, or a run directory (its newest checkpoint)"
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. eval.k=16")
     p.add_argument("--adapter", default=None, help="PEFT adapter directory to evaluate on top of the model")
     p.set_defaults(func=_main)
@@ -91,8 +100,13 @@ def register(sub) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     cfg, adapter = resolve_target(args.recipe, args.overrides, args.adapter)
-    tag = adapter.parent.name if adapter is not None and adapter.name == "trainer" else "base" if adapter is None \
+    tag = (
+        adapter.parent.name
+        if adapter is not None and adapter.name == "trainer"
+        else "base"
+        if adapter is None
         else adapter.name
+    )
     out = run_eval(cfg, adapter, tag)
     for key, value in out["metrics"].items():
         print(f"{key} {value:.4f}")

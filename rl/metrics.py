@@ -25,8 +25,15 @@ from rich.progress import (
 
 # Shown in the console table, in this order, when present.
 CONSOLE_KEYS = (
-    "reward/mean", "acc/mean", "response_length/mean", "rollout_corr/k3_kl", "actor/pg_loss",
-    "actor/grad_norm", "actor/entropy", "r3/replayed_fraction", "perf/step_s",
+    "reward/mean",
+    "acc/mean",
+    "response_length/mean",
+    "rollout_corr/k3_kl",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "r3/replayed_fraction",
+    "perf/step_s",
 )
 
 
@@ -46,9 +53,19 @@ def _finite(v):
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, console_every: int = 1,
-                 tensorboard: bool = True, wandb_project: str = "", wandb_entity: str = "", run_name: str = "",
-                 config: dict | None = None, console: Console | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        start_step: int = 0,
+        console_every: int = 1,
+        tensorboard: bool = True,
+        wandb_project: str = "",
+        wandb_entity: str = "",
+        run_name: str = "",
+        config: dict | None = None,
+        console: Console | None = None,
+    ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.console_every = console_every
         self.console = console or Console()
@@ -65,14 +82,28 @@ class MetricsLogger:
 
             # W&B ids allow letters, digits, '-', '_' and '.': sweep run names hold '/', '=' and ','.
             run_id = re.sub(r"[^\w.-]", "_", run_name) or None
-            self._wandb = wandb.init(project=wandb_project, entity=wandb_entity or None, name=run_name,
-                                     config=config, resume="allow", id=run_id)
+            self._wandb = wandb.init(
+                project=wandb_project,
+                entity=wandb_entity or None,
+                name=run_name,
+                config=config,
+                resume="allow",
+                id=run_id,
+            )
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
-            TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
-            console=self.console, transient=False,
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=self.console,
+            transient=False,
         )
-        self._task = self._progress.add_task(run_name or "train", total=total_steps, completed=start_step, status="")
+        self._task = self._progress.add_task(
+            run_name or "train", total=total_steps, completed=start_step, status=""
+        )
         self._progress.start()
 
     def _truncate_after(self, step: int) -> None:
@@ -94,8 +125,11 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
-        status = "  ".join(f"{k.split('/')[-1] if k != 'rollout_corr/k3_kl' else 'k3'} {numeric[k]:.3g}"
-                           for k in ("reward/mean", "rollout_corr/k3_kl") if k in numeric)
+        status = "  ".join(
+            f"{k.split('/')[-1] if k != 'rollout_corr/k3_kl' else 'k3'} {numeric[k]:.3g}"
+            for k in ("reward/mean", "rollout_corr/k3_kl")
+            if k in numeric
+        )
         self._progress.update(self._task, completed=step, status=status)
         if step % self.console_every == 0:
             self.console.print(self.line(step, numeric), highlight=False, soft_wrap=True)
@@ -107,7 +141,9 @@ class MetricsLogger:
     @staticmethod
     def line(step: int, metrics: dict[str, float]) -> str:
         """`step 12 | reward/mean 0.31 | acc/mean 0.62 | ...`: the console keys, then the eval results."""
-        keys = [k for k in CONSOLE_KEYS if k in metrics] + sorted(k for k in metrics if k.startswith("val-core/"))
+        keys = [k for k in CONSOLE_KEYS if k in metrics] + sorted(
+            k for k in metrics if k.startswith("val-core/")
+        )
         return f"step {step} | " + " | ".join(f"{k.removeprefix('val-core/')} {metrics[k]:.4g}" for k in keys)
 
     def close(self) -> None:

@@ -31,8 +31,10 @@ class KLMonitor:
             problems.append(f"rollout_corr/k3_kl {k3_kl:.3g} > monitor.k3_kl_max {self.k3_kl_max:g}")
         ratio = self.trend()
         if self.trend_max > 0 and ratio is not None and ratio > self.trend_max:
-            problems.append(f"k3 KL trend x{ratio:.2f} over the last {self.window} steps > "
-                            f"monitor.k3_kl_trend_max {self.trend_max:g}")
+            problems.append(
+                f"k3 KL trend x{ratio:.2f} over the last {self.window} steps > "
+                f"monitor.k3_kl_trend_max {self.trend_max:g}"
+            )
         if problems:
             self.violations += 1
             return "; ".join(problems)

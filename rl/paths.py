@@ -14,7 +14,9 @@ def shipped_dir(name: str) -> Path:
     for base in (_CHECKOUT, Path(sys.prefix) / "share" / "sparkrl"):
         if (base / name).is_dir():
             return base / name
-    raise FileNotFoundError(f"sparkrl: cannot find its {name}/ directory (looked in {_CHECKOUT} and {sys.prefix}/share/sparkrl)")
+    raise FileNotFoundError(
+        f"sparkrl: cannot find its {name}/ directory (looked in {_CHECKOUT} and {sys.prefix}/share/sparkrl)"
+    )
 
 
 def cache_dir() -> Path:

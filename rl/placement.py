@@ -36,16 +36,25 @@ def plan_placement(cfg: SparkConfig) -> tuple[list[dict], Placement]:
     # GPU counts against resources.num_gpus are checked with the config (rl.config.validate).
     if ro.placement == "split":
         bundles = [{"GPU": 1, "CPU": 1}] * ranks + [{"GPU": tp, "CPU": 1}] * engines
-        return bundles, Placement(trainer_bundle_offset=0, trainer_gpus_per_rank=1.0,
-                                  rollout_bundles=list(range(ranks, ranks + engines)),
-                                  rollout_options={"num_cpus": 1, "num_gpus": tp})
+        return bundles, Placement(
+            trainer_bundle_offset=0,
+            trainer_gpus_per_rank=1.0,
+            rollout_bundles=list(range(ranks, ranks + engines)),
+            rollout_options={"num_cpus": 1, "num_gpus": tp},
+        )
     if tp != 1:
-        raise ValueError(f"rollout.tensor_parallel_size: colocated placement runs TP-1 engines for now, got {tp}; "
-                         "use rollout.placement=split for tensor-parallel engines")
+        raise ValueError(
+            f"rollout.tensor_parallel_size: colocated placement runs TP-1 engines for now, got {tp}; "
+            "use rollout.placement=split for tensor-parallel engines"
+        )
     gpus = max(ranks, engines)
     bundles = [{"GPU": 1, "CPU": 2}] * gpus
-    return bundles, Placement(trainer_bundle_offset=0, trainer_gpus_per_rank=0.5,
-                              rollout_bundles=list(range(engines)), rollout_options={"num_cpus": 1, "num_gpus": 0.5})
+    return bundles, Placement(
+        trainer_bundle_offset=0,
+        trainer_gpus_per_rank=0.5,
+        rollout_bundles=list(range(engines)),
+        rollout_options={"num_cpus": 1, "num_gpus": 0.5},
+    )
 
 
 def create_placement(cfg: SparkConfig) -> Placement:
@@ -59,7 +68,9 @@ def create_placement(cfg: SparkConfig) -> Placement:
     pg = placement_group(bundles, strategy="PACK", name=f"sparkrl-{cfg.run.name}")
     ready, _ = ray.wait([pg.ready()], timeout=600)
     if not ready:
-        raise RuntimeError(f"placement: the cluster could not give {len(bundles)} bundles {bundles[0]} ... within "
-                           f"10 minutes (ray status shows what is free)")
+        raise RuntimeError(
+            f"placement: the cluster could not give {len(bundles)} bundles {bundles[0]} ... within "
+            f"10 minutes (ray status shows what is free)"
+        )
     placement.placement_group = pg
     return placement

@@ -140,12 +140,24 @@ def muse_spark_open() -> ModelShape:
     heads, kv_heads, head_dim, vocab = 96, 8, 128, 201_088
     per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o + k, v
     return ModelShape(
-        name="Muse Spark Open", num_layers=layers, hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, vocab=vocab, num_experts=256, top_k=8, expert_inter=4096, latent=4096,
-        head_gate=heads, window=2048, window_layers=46, max_context=LONG_CONTEXT,
+        name="Muse Spark Open",
+        num_layers=layers,
+        hidden=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=vocab,
+        num_experts=256,
+        top_k=8,
+        expert_inter=4096,
+        latent=4096,
+        head_gate=heads,
+        window=2048,
+        window_layers=46,
+        max_context=LONG_CONTEXT,
         params={"experts": 799e9, "attention": attention, "latent": 4.2e9, "embeddings": 3.3e9},
         source="built-in facts from the design doc; the vision tower and audio encoder are not trained and "
-               "left out",
+        "left out",
         assumptions=[
             f"{heads} query heads, {kv_heads} KV heads, head_dim {head_dim}: q/k/v/o come to "
             f"{layers * per_layer / 1e9:.2f}B, matching attention {attention / 1e9}B",
@@ -159,11 +171,23 @@ def muse_spark_open() -> ModelShape:
 
 # Qwen/Qwen3-30B-A3B's config.json (the fields the planner reads), for planning without a download.
 QWEN3_30B_A3B = {
-    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-    "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "vocab_size": 151936, "tie_word_embeddings": False, "max_position_embeddings": 40960,
-    "use_sliding_window": False, "sliding_window": None,
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+    "use_sliding_window": False,
+    "sliding_window": None,
 }
 
 
@@ -171,8 +195,9 @@ def quantization_kind(quant) -> str | None:
     """'nvfp4' for an NVFP4 compressed-tensors config, else its quant_method, or None."""
     if not quant:
         return None
-    formats = [quant.get("format")] + [g.get("format") for g in (quant.get("config_groups") or {}).values()
-                                       if isinstance(g, dict)]
+    formats = [quant.get("format")] + [
+        g.get("format") for g in (quant.get("config_groups") or {}).values() if isinstance(g, dict)
+    ]
     if any(f and "nvfp4" in str(f) for f in formats):
         return "nvfp4"
     return quant.get("quant_method", "unknown")
@@ -194,7 +219,8 @@ def shape_from_hf(config: dict, name: str, source: str) -> ModelShape:
         dense |= {i for i in range(layers) if (i + 1) % step}
         dense |= set(range(c.get("first_k_dense_replace") or 0))
     shared = c.get("shared_expert_intermediate_size") or (c.get("n_shared_experts") or 0) * (
-        c.get("moe_intermediate_size") or 0)
+        c.get("moe_intermediate_size") or 0
+    )
     types = c.get("layer_types") or []
     window = c.get("sliding_window") or 0
     if types:
@@ -206,15 +232,25 @@ def shape_from_hf(config: dict, name: str, source: str) -> ModelShape:
     if not window_layers:
         window = 0
     return ModelShape(
-        name=name, num_layers=layers, hidden=hidden, num_heads=heads,
-        num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or hidden // heads,
-        vocab=vocab, num_experts=experts, top_k=c.get("num_experts_per_tok") or 0,
+        name=name,
+        num_layers=layers,
+        hidden=hidden,
+        num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or hidden // heads,
+        vocab=vocab,
+        num_experts=experts,
+        top_k=c.get("num_experts_per_tok") or 0,
         expert_inter=(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0) if experts else 0,
-        dense_inter=c.get("intermediate_size") or 0, num_dense_layers=len(dense) if experts else layers,
-        shared_expert_inter=shared, window=window, window_layers=window_layers,
+        dense_inter=c.get("intermediate_size") or 0,
+        num_dense_layers=len(dense) if experts else layers,
+        shared_expert_inter=shared,
+        window=window,
+        window_layers=window_layers,
         latent=c.get("moe_latent_size") or 0,  # Muse: experts work at the pooled width
         head_gate={"headwise": heads, "elementwise": heads * (c.get("head_dim") or hidden // heads)}.get(
-            c.get("head_gate"), 0),
+            c.get("head_gate"), 0
+        ),
         max_context=c.get("max_position_embeddings") or 0,
         # transformers' default when the key is absent
         tie_embeddings=bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", True))),
@@ -244,8 +280,9 @@ def _builtin(path: str) -> ModelShape | None:
     if "muse" in low:
         return muse_spark_open()
     if "qwen3-30b-a3b" in low:
-        return shape_from_hf(QWEN3_30B_A3B, "Qwen3-30B-A3B",
-                             "built-in copy of Qwen/Qwen3-30B-A3B's config.json")
+        return shape_from_hf(
+            QWEN3_30B_A3B, "Qwen3-30B-A3B", "built-in copy of Qwen/Qwen3-30B-A3B's config.json"
+        )
     return None
 
 
@@ -266,10 +303,12 @@ def model_shape(cfg) -> ModelShape:
         shape = _builtin(path) if path else None
         if shape is not None:
             return shape
-    raise ValueError(f"plan: cannot tell the shape of model.path {m.path!r}: no config.json there or in the "
-                     "Hugging Face cache, and not a built-in model (Muse Spark Open, Qwen3-30B-A3B). Point "
-                     "model.path at a directory with config.json, or fetch only that file, e.g. "
-                     f"`huggingface-cli download {m.path} config.json`")
+    raise ValueError(
+        f"plan: cannot tell the shape of model.path {m.path!r}: no config.json there or in the "
+        "Hugging Face cache, and not a built-in model (Muse Spark Open, Qwen3-30B-A3B). Point "
+        "model.path at a directory with config.json, or fetch only that file, e.g. "
+        f"`huggingface-cli download {m.path} config.json`"
+    )
 
 
 def rollout_format(cfg, shape: ModelShape) -> tuple[str, str]:
@@ -302,20 +341,34 @@ def _lora_modules(cfg, s: ModelShape) -> list[tuple[str, int, int, int, str]]:
     'col' (output split), 'row' (input split) or 'kv' (output split by KV heads, replicated below one)."""
     lo, L = cfg.lora, s.num_layers
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    known = {"q_proj": (L, s.hidden, q, "col"), "k_proj": (L, s.hidden, kv, "kv"),
-             "v_proj": (L, s.hidden, kv, "kv"), "o_proj": (L, q, s.hidden, "row")}
+    known = {
+        "q_proj": (L, s.hidden, q, "col"),
+        "k_proj": (L, s.hidden, kv, "kv"),
+        "v_proj": (L, s.hidden, kv, "kv"),
+        "o_proj": (L, q, s.hidden, "row"),
+    }
     if s.num_dense_layers and s.dense_inter:  # dense MLP layers (a dense model, or an MoE's dense layers)
         n, i = s.num_dense_layers, s.dense_inter
-        known.update({"gate_proj": (n, s.hidden, i, "col"), "up_proj": (n, s.hidden, i, "col"),
-                      "down_proj": (n, i, s.hidden, "row")})
+        known.update(
+            {
+                "gate_proj": (n, s.hidden, i, "col"),
+                "up_proj": (n, s.hidden, i, "col"),
+                "down_proj": (n, i, s.hidden, "row"),
+            }
+        )
     out = [(m, *known[m]) for m in lo.target_modules if m in known]
     if lo.target_experts and s.num_experts:
         n, he, ie = s.moe_layers * s.num_experts, s.expert_width, s.expert_inter
-        out += [("experts.gate", n, he, ie, "col"), ("experts.up", n, he, ie, "col"),
-                ("experts.down", n, ie, he, "row")]
+        out += [
+            ("experts.gate", n, he, ie, "col"),
+            ("experts.up", n, he, ie, "col"),
+            ("experts.down", n, ie, he, "row"),
+        ]
     if lo.target_latent and s.latent:
-        out += [("pooler", s.moe_layers, s.hidden, s.latent, "col"),
-                ("unpooler", s.moe_layers, s.latent, s.hidden, "row")]
+        out += [
+            ("pooler", s.moe_layers, s.hidden, s.latent, "col"),
+            ("unpooler", s.moe_layers, s.latent, s.hidden, "row"),
+        ]
     return out
 
 
@@ -464,8 +517,9 @@ def make_plan(cfg, gpu_gib: float = H200_GIB) -> Plan:
     on_gpu = res.num_gpus > 0
     # On CPU there is no CUDA context, and vLLM's KV cache is a fixed size of its own (cpu_kvcache_gb).
     runtime = (RUNTIME_BYTES + (0 if ro.enforce_eager else CUDA_GRAPH_BYTES)) if on_gpu else 0
-    r_act = (_layer_working_set(s, VLLM_BATCHED_TOKENS, wbytes, tp)
-             + ro.max_num_seqs * s.vocab / tp * 4)  # the sampler's fp32 logits, one row a sequence
+    r_act = (
+        _layer_working_set(s, VLLM_BATCHED_TOKENS, wbytes, tp) + ro.max_num_seqs * s.vocab / tp * 4
+    )  # the sampler's fp32 logits, one row a sequence
     r_weights, r_lora = stored / tp, lora_gpu * wbytes
     if on_gpu:
         budget = ro.gpu_memory_utilization * G
@@ -483,14 +537,34 @@ def make_plan(cfg, gpu_gib: float = H200_GIB) -> Plan:
     tokens = tr.micro_batch_tokens or tr.micro_batch_size * (ro.max_prompt_len + ro.max_response_len)
 
     plan = Plan(
-        shape=s, gpu_bytes=G, num_gpus=res.num_gpus, placement=ro.placement, rollout_format=fmt,
-        rollout_format_why=why, tp=tp, engines=ro.num_workers, context=context, r_weights=r_weights,
-        r_lora=r_lora, r_activations=r_act, r_runtime=runtime, r_budget=budget, kv_per_seq=kv_seq,
-        kv_room=kv_room, seqs_wanted=wanted, ranks=ranks, t_weights=s.total_params * wbytes / ranks,
-        t_lora_state=lora_t * state_bytes / ranks, t_gathered=gathered,
-        t_activations=trainer_activations(cfg, s, tokens, wbytes), t_runtime=RUNTIME_BYTES if on_gpu else 0,
-        micro_tokens=tokens, lora_params_trainer=lora_t, lora_params_rollout_gpu=lora_gpu,
-        lora_rank=vllm_lora_rank(cfg.lora.rank), untargeted=untargeted_modules(cfg, s),
+        shape=s,
+        gpu_bytes=G,
+        num_gpus=res.num_gpus,
+        placement=ro.placement,
+        rollout_format=fmt,
+        rollout_format_why=why,
+        tp=tp,
+        engines=ro.num_workers,
+        context=context,
+        r_weights=r_weights,
+        r_lora=r_lora,
+        r_activations=r_act,
+        r_runtime=runtime,
+        r_budget=budget,
+        kv_per_seq=kv_seq,
+        kv_room=kv_room,
+        seqs_wanted=wanted,
+        ranks=ranks,
+        t_weights=s.total_params * wbytes / ranks,
+        t_lora_state=lora_t * state_bytes / ranks,
+        t_gathered=gathered,
+        t_activations=trainer_activations(cfg, s, tokens, wbytes),
+        t_runtime=RUNTIME_BYTES if on_gpu else 0,
+        micro_tokens=tokens,
+        lora_params_trainer=lora_t,
+        lora_params_rollout_gpu=lora_gpu,
+        lora_rank=vllm_lora_rank(cfg.lora.rank),
+        untargeted=untargeted_modules(cfg, s),
         t_logits=_logits_bytes(tokens, s.vocab, wbytes),
     )
     if on_gpu:
@@ -511,19 +585,31 @@ def _judge(p: Plan, cfg) -> None:
     need_ranks: list[tuple[int, str]] = []  # (trainer ranks, why) for each check more ranks would pass
 
     ok = p.kv_room >= p.kv_per_seq
-    p.verdicts.append(("rollout", ok, f"needs {gib(p.r_total_min)} for one {p.context:,}-token sequence "
-                       f"within its {gib(p.r_budget)} (gpu_memory_utilization "
-                       f"{ro.gpu_memory_utilization:g})"))
+    p.verdicts.append(
+        (
+            "rollout",
+            ok,
+            f"needs {gib(p.r_total_min)} for one {p.context:,}-token sequence "
+            f"within its {gib(p.r_budget)} (gpu_memory_utilization "
+            f"{ro.gpu_memory_utilization:g})",
+        )
+    )
     if not ok:
         if u_need <= 0.95:
-            p.suggestions.append(f"rollout.gpu_memory_utilization={_up(u_need):.2f} (at least) gives vLLM "
-                                 "room for one full-length sequence")
+            p.suggestions.append(
+                f"rollout.gpu_memory_utilization={_up(u_need):.2f} (at least) gives vLLM "
+                "room for one full-length sequence"
+            )
         if ro.tensor_parallel_size * 2 <= cfg.resources.gpus_per_node:
-            p.suggestions.append(f"rollout.tensor_parallel_size={ro.tensor_parallel_size * 2} halves the "
-                                 "weights each GPU holds")
+            p.suggestions.append(
+                f"rollout.tensor_parallel_size={ro.tensor_parallel_size * 2} halves the "
+                "weights each GPU holds"
+            )
     elif p.seqs_fit < p.seqs_wanted:
-        msg = (f"the KV room holds {p.seqs_fit} of the {p.seqs_wanted} sequences an engine runs at once; "
-               "vLLM queues the rest (slower rollouts)")
+        msg = (
+            f"the KV room holds {p.seqs_fit} of the {p.seqs_wanted} sequences an engine runs at once; "
+            "vLLM queues the rest (slower rollouts)"
+        )
         if u_all <= 0.95:
             msg += f"; rollout.gpu_memory_utilization={_up(u_all):.2f} holds them all"
         p.suggestions.append(msg)
@@ -531,14 +617,21 @@ def _judge(p: Plan, cfg) -> None:
     if p.placement == "colocated":
         during_rollout = p.t_resident + p.r_budget
         ok = during_rollout <= G
-        p.verdicts.append(("colocated, rollout phase", ok,
-                           f"trainer's resident {gib(p.t_resident)} + vLLM's {gib(p.r_budget)} = "
-                           f"{gib(during_rollout)} of {gib(G)}"))
+        p.verdicts.append(
+            (
+                "colocated, rollout phase",
+                ok,
+                f"trainer's resident {gib(p.t_resident)} + vLLM's {gib(p.r_budget)} = "
+                f"{gib(during_rollout)} of {gib(G)}",
+            )
+        )
         if not ok:
             room = (G - p.t_resident) / G
             if room >= u_need:
-                p.suggestions.append(f"rollout.gpu_memory_utilization={math.floor(room * 100) / 100:.2f} (at "
-                                     "most) leaves the trainer's resident state its room")
+                p.suggestions.append(
+                    f"rollout.gpu_memory_utilization={math.floor(room * 100) / 100:.2f} (at "
+                    "most) leaves the trainer's resident state its room"
+                )
             sharded = (p.t_weights + p.t_lora_state) * p.ranks
             free = G - p.r_budget - p.t_runtime
             if free > 0:
@@ -546,8 +639,13 @@ def _judge(p: Plan, cfg) -> None:
             p.suggestions.append("rollout.placement=split gives the engines GPUs of their own")
         sleeping = RUNTIME_BYTES
         ok = p.t_peak + sleeping <= G
-        p.verdicts.append(("colocated, training phase", ok,
-                           f"trainer peak {gib(p.t_peak)} + vLLM asleep {gib(sleeping)} of {gib(G)}"))
+        p.verdicts.append(
+            (
+                "colocated, training phase",
+                ok,
+                f"trainer peak {gib(p.t_peak)} + vLLM asleep {gib(sleeping)} of {gib(G)}",
+            )
+        )
     else:
         sleeping = 0.0
         ok = p.t_peak <= G
@@ -574,22 +672,29 @@ def _training_hints(p: Plan, cfg, sleeping: float, need_ranks: list[tuple[int, s
         room = G - (p.t_peak - p.t_activations) - sleeping
         t_fit = int(room / per_token) if room > 0 else 0
         if longest <= t_fit < p.micro_tokens:
-            p.suggestions.append(f"trainer.micro_batch_tokens={t_fit} (at most) fits the activations "
-                                 f"({gib(p.t_activations)} at {p.micro_tokens:,} tokens)")
+            p.suggestions.append(
+                f"trainer.micro_batch_tokens={t_fit} (at most) fits the activations "
+                f"({gib(p.t_activations)} at {p.micro_tokens:,} tokens)"
+            )
         else:
             fixed_min = fixed - p.t_activations + per_token * longest
-            msg = (f"trainer.micro_batch_tokens={longest} (one whole sequence, the least allowed) cuts the "
-                   f"activations from {gib(p.t_activations)} to {gib(per_token * longest)}")
+            msg = (
+                f"trainer.micro_batch_tokens={longest} (one whole sequence, the least allowed) cuts the "
+                f"activations from {gib(p.t_activations)} to {gib(per_token * longest)}"
+            )
             if fixed_min < G:
                 ranks = _round_ranks(cfg, math.ceil(sharded / (G - fixed_min)))
                 msg += f"; then trainer.num_ranks={ranks} would do"
             p.suggestions.append(msg)
     if not tr.activation_checkpointing:
-        p.suggestions.append("trainer.activation_checkpointing=true keeps each layer's input, not all its "
-                             "activations")
+        p.suggestions.append(
+            "trainer.activation_checkpointing=true keeps each layer's input, not all its activations"
+        )
     if fixed >= G:
-        p.suggestions.append(f"the gathered layers, activations and runtime alone take {gib(fixed)} a GPU: "
-                             "more ranks cannot help; shorten trainer.micro_batch_tokens")
+        p.suggestions.append(
+            f"the gathered layers, activations and runtime alone take {gib(fixed)} a GPU: "
+            "more ranks cannot help; shorten trainer.micro_batch_tokens"
+        )
 
 
 def _round_ranks(cfg, ranks: int) -> int:
@@ -602,8 +707,10 @@ def _ranks_hint(cfg, ranks: int, why: str) -> str:
     ranks = _round_ranks(cfg, ranks)
     nodes = max(math.ceil(ranks / cfg.resources.gpus_per_node), cfg.resources.nodes)
     gpus = max(ranks, cfg.resources.num_gpus)
-    return (f"trainer.num_ranks={ranks} resources.num_gpus={gpus} resources.nodes={nodes} (sharded trainer "
-            f"state, {why})")
+    return (
+        f"trainer.num_ranks={ranks} resources.num_gpus={gpus} resources.nodes={nodes} (sharded trainer "
+        f"state, {why})"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -623,25 +730,38 @@ def format_plan(p: Plan, recipe: str = "") -> str:
     lines.append(f"plan {recipe} ({where})".replace("  ", " "))
     unit = "GPU" if p.num_gpus else "process"
     lines.append(f"model: {s.name} ({s.source})")
-    moe = (f", {s.num_experts} experts (top-{s.top_k}) of width {s.expert_width} x {s.expert_inter}"
-           if s.num_experts else f", MLP {s.dense_inter}")
+    moe = (
+        f", {s.num_experts} experts (top-{s.top_k}) of width {s.expert_width} x {s.expert_inter}"
+        if s.num_experts
+        else f", MLP {s.dense_inter}"
+    )
     win = f"; {s.window_layers} sliding-window layers of {s.window:,} tokens" if s.window_layers else ""
     latent = f", latent {s.latent}" if s.latent else ""
-    lines.append(f"  {s.num_layers} layers, hidden {s.hidden}{moe}{latent}; {s.num_heads} heads, "
-                 f"{s.num_kv_heads} KV heads x {s.head_dim}{win}; vocab {s.vocab:,}")
-    lines.append("  parameters: " + ", ".join(f"{k} {_b(v)}" for k, v in s.params.items())
-                 + f"; total {_b(s.total_params)}")
+    lines.append(
+        f"  {s.num_layers} layers, hidden {s.hidden}{moe}{latent}; {s.num_heads} heads, "
+        f"{s.num_kv_heads} KV heads x {s.head_dim}{win}; vocab {s.vocab:,}"
+    )
+    lines.append(
+        "  parameters: "
+        + ", ".join(f"{k} {_b(v)}" for k, v in s.params.items())
+        + f"; total {_b(s.total_params)}"
+    )
     for a in s.assumptions:
         lines.append(f"  assumed: {a}")
     if p.untargeted:
         names = ", ".join(p.untargeted)
         lines.append(f"  not counted: lora.target_modules {names} (no such layer known here)")
 
-    lines.append(f"rollout per {unit} ({p.engines} engine(s) x TP {p.tp}; weights {p.rollout_format}: "
-                 f"{p.rollout_format_why})")
+    lines.append(
+        f"rollout per {unit} ({p.engines} engine(s) x TP {p.tp}; weights {p.rollout_format}: "
+        f"{p.rollout_format_why})"
+    )
     lines.append(f"  weights      {g(p.r_weights)}")
-    lora_note = (f"1 adapter at vLLM rank {p.lora_rank}: {_b(p.lora_params_rollout_gpu)} elements"
-                 if p.r_lora else "none (sync.mode merged: vLLM runs without LoRA)")
+    lora_note = (
+        f"1 adapter at vLLM rank {p.lora_rank}: {_b(p.lora_params_rollout_gpu)} elements"
+        if p.r_lora
+        else "none (sync.mode merged: vLLM runs without LoRA)"
+    )
     lines.append(f"  LoRA slot    {g(p.r_lora)}   {lora_note}")
     lines.append(f"  activations  {g(p.r_activations)}   {VLLM_BATCHED_TOKENS:,} batched tokens")
     lines.append(f"  runtime      {g(p.r_runtime)}")
@@ -649,27 +769,39 @@ def format_plan(p: Plan, recipe: str = "") -> str:
     if p.num_gpus:
         where = f"what is left of {p.r_budget / GiB:.2f} GiB (gpu_memory_utilization x GPU)"
     else:
-        where = ("rollout.cpu_kvcache_gb" if kv_known
-                 else "rollout.cpu_kvcache_gb = 0: vLLM sizes it from host memory")
+        where = (
+            "rollout.cpu_kvcache_gb"
+            if kv_known
+            else "rollout.cpu_kvcache_gb = 0: vLLM sizes it from host memory"
+        )
     lines.append(f"  KV cache     {g(max(p.kv_room, 0))}   {where}")
     ratio = f"{s.kv_ratio(p.context):.3f} of all-full attention" if s.window_layers else "all layers full"
     room = f"room for {p.seqs_fit} at once, " if kv_known else ""
-    lines.append(f"    a {p.context:,}-token sequence: {p.kv_per_seq / 2**20:,.1f} MiB ({ratio}); "
-                 f"{room}{p.seqs_wanted} wanted per engine")
+    lines.append(
+        f"    a {p.context:,}-token sequence: {p.kv_per_seq / 2**20:,.1f} MiB ({ratio}); "
+        f"{room}{p.seqs_wanted} wanted per engine"
+    )
     long = s.max_context or LONG_CONTEXT
     if s.window_layers and long > p.context:
-        lines.append(f"    at {long:,} tokens the KV cache is {s.kv_ratio(long):.4f} of all-full attention "
-                     f"({s.window_layers} layers hold {s.window:,} tokens, {s.num_layers - s.window_layers} "
-                     "hold all)")
+        lines.append(
+            f"    at {long:,} tokens the KV cache is {s.kv_ratio(long):.4f} of all-full attention "
+            f"({s.window_layers} layers hold {s.window:,} tokens, {s.num_layers - s.window_layers} "
+            "hold all)"
+        )
 
     lines.append(f"trainer per {unit} (FSDP2 over {p.ranks} rank(s); micro-batch {p.micro_tokens:,} tokens)")
     lines.append(f"  weights      {g(p.t_weights)}   base, sharded")
-    lines.append(f"  LoRA state   {g(p.t_lora_state)}   {_b(p.lora_params_trainer)} LoRA parameters + "
-                 "gradients + AdamW m, v; sharded")
-    lines.append(f"  gathered     {g(p.t_gathered)}   two decoder layers ({_b(s.largest_layer_params())} "
-                 "each) + embeddings/output")
-    lines.append(f"  activations  {g(p.t_activations)}   of which the response logits "
-                 f"{p.t_logits / GiB:.2f} GiB")
+    lines.append(
+        f"  LoRA state   {g(p.t_lora_state)}   {_b(p.lora_params_trainer)} LoRA parameters + "
+        "gradients + AdamW m, v; sharded"
+    )
+    lines.append(
+        f"  gathered     {g(p.t_gathered)}   two decoder layers ({_b(s.largest_layer_params())} "
+        "each) + embeddings/output"
+    )
+    lines.append(
+        f"  activations  {g(p.t_activations)}   of which the response logits {p.t_logits / GiB:.2f} GiB"
+    )
     lines.append(f"  runtime      {g(p.t_runtime)}")
     lines.append(f"  peak         {g(p.t_peak)}")
 
@@ -696,16 +828,25 @@ def main(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "plan", help="memory per GPU for rollout and trainer; whether the recipe fits",
+        "plan",
+        help="memory per GPU for rollout and trainer; whether the recipe fits",
         description="Estimate memory per GPU for the recipe's rollout engines and trainer ranks (weights in "
-                    "their stored format, KV cache with sliding-window layers at their window, LoRA, "
-                    "optimizer state, activations), say whether it fits and what to change. Exit code 1 "
-                    "when it does not fit.")
+        "their stored format, KV cache with sliding-window layers at their window, LoRA, "
+        "optimizer state, activations), say whether it fits and what to change. Exit code 1 "
+        "when it does not fit.",
+    )
     p.add_argument("recipe", metavar="RECIPE")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config overrides, e.g. rollout.max_model_len=1048576")
-    p.add_argument("--gpu-gib", type=float, default=H200_GIB,
-                   help=f"memory of one GPU in GiB (default {H200_GIB:g}: an H200)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides, e.g. rollout.max_model_len=1048576",
+    )
+    p.add_argument(
+        "--gpu-gib",
+        type=float,
+        default=H200_GIB,
+        help=f"memory of one GPU in GiB (default {H200_GIB:g}: an H200)",
+    )
     p.set_defaults(func=main)
     return p
-

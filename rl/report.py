@@ -33,9 +33,15 @@ def load_run(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").exists():
         raise FileNotFoundError(f"report: {run_dir} has no metrics.jsonl (is it a run directory?)")
-    config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
-    return {"dir": run_dir, "name": (config.get("run") or {}).get("name") or run_dir.name, "config": config,
-            "records": read_metrics(run_dir)}
+    config = (
+        yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+    )
+    return {
+        "dir": run_dir,
+        "name": (config.get("run") or {}).get("name") or run_dir.name,
+        "config": config,
+        "records": read_metrics(run_dir),
+    }
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -53,8 +59,11 @@ def kl_verdict(run: dict) -> tuple[bool, str]:
     mon = run["config"].get("monitor") or {}
     budget, trend_max = float(mon.get("k3_kl_max", 0) or 0), float(mon.get("k3_kl_trend_max", 0) or 0)
     steps, kls = series(run["records"], "rollout_corr/k3_kl")
-    missing = [r["step"] for r in run["records"] if r["step"] > 0 and "rollout_corr/k3_kl" in r
-               and _num(r["rollout_corr/k3_kl"]) is None]
+    missing = [
+        r["step"]
+        for r in run["records"]
+        if r["step"] > 0 and "rollout_corr/k3_kl" in r and _num(r["rollout_corr/k3_kl"]) is None
+    ]
     if not kls:
         return False, f"{run['name']}: no rollout_corr/k3_kl recorded"
     monitor = KLMonitor(0.0, trend_max, int(mon.get("trend_window", 10) or 10))
@@ -64,8 +73,10 @@ def kl_verdict(run: dict) -> tuple[bool, str]:
     over = [s for s, k in zip(steps, kls) if budget > 0 and k > budget]
     ok = not over and not missing and not (trend_max > 0 and trend is not None and trend > trend_max)
     worst = max(kls)
-    text = (f"{run['name']}: KL drift {'INSIDE' if ok else 'OUTSIDE'} its budget: k3 KL max {worst:.2e} "
-            f"(step {steps[kls.index(worst)]}), mean {sum(kls) / len(kls):.2e} over {len(kls)} steps")
+    text = (
+        f"{run['name']}: KL drift {'INSIDE' if ok else 'OUTSIDE'} its budget: k3 KL max {worst:.2e} "
+        f"(step {steps[kls.index(worst)]}), mean {sum(kls) / len(kls):.2e} over {len(kls)} steps"
+    )
     if budget > 0:
         text += f"; budget {budget:g}" + (f", exceeded at steps {over[:10]}" if over else "")
     if trend is not None:
@@ -76,7 +87,9 @@ def kl_verdict(run: dict) -> tuple[bool, str]:
 
 
 def _eval_keys(runs: list[dict]) -> list[str]:
-    keys = {k for run in runs for r in run["records"] for k in r if k.startswith("val-core/") and "/mean@" in k}
+    keys = {
+        k for run in runs for r in run["records"] for k in r if k.startswith("val-core/") and "/mean@" in k
+    }
     return sorted(keys)
 
 
@@ -100,7 +113,9 @@ def make_plots(runs: list[dict], out: Path) -> list[Path]:
         for run in runs:
             xs, ys = series(run["records"], key)
             if log:
-                xs, ys = zip(*[(x, y) for x, y in zip(xs, ys) if y > 0]) if any(y > 0 for y in ys) else ([], [])
+                xs, ys = (
+                    zip(*[(x, y) for x, y in zip(xs, ys) if y > 0]) if any(y > 0 for y in ys) else ([], [])
+                )
             ax.plot(xs, ys, marker=".", label=run["name"])
         if key == "rollout_corr/k3_kl":
             ax.set_yscale("log")
@@ -119,7 +134,9 @@ def make_plots(runs: list[dict], out: Path) -> list[Path]:
         for run in runs:
             for key in keys:
                 xs, ys = series(run["records"], key)
-                label = key.removeprefix("val-core/") if len(runs) == 1 else f"{run['name']}: {key.split('/')[1]}"
+                label = (
+                    key.removeprefix("val-core/") if len(runs) == 1 else f"{run['name']}: {key.split('/')[1]}"
+                )
                 ax.plot(xs, ys, marker="o", label=label)
         ax.set_title("eval accuracy (mean@k)")
         ax.set_xlabel("step")
@@ -157,15 +174,30 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
         raise ValueError("report: name at least one run directory")
     runs = [load_run(Path(d)) for d in run_dirs]
     if out is None:
-        out = runs[0]["dir"] / "report" if len(runs) == 1 else Path("reports") / "_vs_".join(r["name"] for r in runs)
+        out = (
+            runs[0]["dir"] / "report"
+            if len(runs) == 1
+            else Path("reports") / "_vs_".join(r["name"] for r in runs)
+        )
     out.mkdir(parents=True, exist_ok=True)
     verdicts = [kl_verdict(run) for run in runs]
     plots = make_plots(runs, out)
-    keys = ["reward/mean", "acc/mean", "rollout_corr/k3_kl", "response_length/mean", "perf/step_s"] + _eval_keys(runs)
+    keys = [
+        "reward/mean",
+        "acc/mean",
+        "rollout_corr/k3_kl",
+        "response_length/mean",
+        "perf/step_s",
+    ] + _eval_keys(runs)
     lines = [f"# sparkrl report: {', '.join(r['name'] for r in runs)}", ""]
     lines += [f"- {'OK' if ok else 'FAIL'}: {text}" for ok, text in verdicts]
-    lines += ["", "## Final metrics", "", "| run | steps | " + " | ".join(keys) + " |",
-              "|---" * (len(keys) + 2) + "|"]
+    lines += [
+        "",
+        "## Final metrics",
+        "",
+        "| run | steps | " + " | ".join(keys) + " |",
+        "|---" * (len(keys) + 2) + "|",
+    ]
     for run in runs:
         steps = max((r["step"] for r in run["records"]), default=0)
         lines.append(f"| {run['name']} | {steps} | " + " | ".join(_final(run, k) for k in keys) + " |")
@@ -176,7 +208,9 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
             for key in evals:
                 xs, ys = series(run["records"], key)
                 if ys:
-                    lines.append(f"- {run['name']} {key}: " + ", ".join(f"step {x}: {y:.3f}" for x, y in zip(xs, ys)))
+                    lines.append(
+                        f"- {run['name']} {key}: " + ", ".join(f"step {x}: {y:.3f}" for x, y in zip(xs, ys))
+                    )
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     path = out / "report.md"
     tmp = path.with_suffix(".md.tmp")
@@ -188,8 +222,12 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
 def register(sub) -> None:
     p = sub.add_parser("report", help="report.md and plots for one run, or several side by side")
     p.add_argument("run_dirs", nargs="+", type=Path)
-    p.add_argument("--out", type=Path, default=None, help="output directory (default: RUN/report, or "
-                   "reports/<a>_vs_<b> for several runs)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: RUN/report, or reports/<a>_vs_<b> for several runs)",
+    )
     p.set_defaults(func=_main)
 
 

@@ -50,12 +50,23 @@ def load_prompts_for(cfg: SparkConfig, spec: str, tokenizer, split: str, rows: i
     options: dict[str, Any] = {}
     if location == "synthetic:arith":
         a = cfg.data.arith
-        defaults = {"n": rows, "seed": cfg.data.seed, "split": split, "num_terms": a.num_terms,
-                    "max_operand": a.max_operand, "ops": a.ops}
+        defaults = {
+            "n": rows,
+            "seed": cfg.data.seed,
+            "split": split,
+            "num_terms": a.num_terms,
+            "max_operand": a.max_operand,
+            "ops": a.ops,
+        }
         options = {k: v for k, v in defaults.items() if k not in query}
     source = load_source(spec, **options)
-    prompts, dropped = tokenize_prompts(source.dataset, tokenizer, cfg.rollout.max_prompt_len, cfg.data.prompt_key,
-                                        dict(cfg.data.chat_template_kwargs))
+    prompts, dropped = tokenize_prompts(
+        source.dataset,
+        tokenizer,
+        cfg.rollout.max_prompt_len,
+        cfg.data.prompt_key,
+        dict(cfg.data.chat_template_kwargs),
+    )
     note = f", {source.num_duplicates} duplicates dropped" if source.num_duplicates else ""
     note += f", {dropped} over rollout.max_prompt_len dropped" if dropped else ""
     print(f"data: {len(prompts)} prompts from {spec}{note}")
@@ -75,8 +86,12 @@ def init_ray(cfg: SparkConfig) -> bool:
     # A local cluster: enough CPU slots for every worker even on a 2-core machine (they mostly wait on
     # each other); the dashboard stays on loopback.
     need = cfg.trainer.num_ranks + cfg.rollout.num_workers + 1
-    ray.init(num_cpus=max(os.cpu_count() or 1, need), num_gpus=cfg.resources.num_gpus or None,
-             include_dashboard=False, log_to_driver=True)
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, need),
+        num_gpus=cfg.resources.num_gpus or None,
+        include_dashboard=False,
+        log_to_driver=True,
+    )
     return True
 
 
@@ -84,7 +99,9 @@ def prompt_requests(prompts: list[Prompt], offset: int = 0) -> list:
     """One rollout request per prompt; its index (plus `offset`) is the group id of its samples."""
     from rollout.spec import PromptRequest
 
-    return [PromptRequest(p.prompt_ids, offset + i, p.data_source, p.ground_truth) for i, p in enumerate(prompts)]
+    return [
+        PromptRequest(p.prompt_ids, offset + i, p.data_source, p.ground_truth) for i, p in enumerate(prompts)
+    ]
 
 
 def sampling_spec(cfg: SparkConfig, seed: int, eval: bool = False):
@@ -92,10 +109,20 @@ def sampling_spec(cfg: SparkConfig, seed: int, eval: bool = False):
     from rollout.spec import SamplingSpec
 
     if eval:
-        return SamplingSpec(n=cfg.eval.k, temperature=max(cfg.eval.temperature, 1e-5), top_p=cfg.eval.top_p,
-                            max_tokens=cfg.eval.max_response_len, seed=seed)
-    return SamplingSpec(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                        max_tokens=cfg.rollout.max_response_len, seed=seed)
+        return SamplingSpec(
+            n=cfg.eval.k,
+            temperature=max(cfg.eval.temperature, 1e-5),
+            top_p=cfg.eval.top_p,
+            max_tokens=cfg.eval.max_response_len,
+            seed=seed,
+        )
+    return SamplingSpec(
+        n=cfg.rollout.n,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_tokens=cfg.rollout.max_response_len,
+        seed=seed,
+    )
 
 
 def trainer_spec(cfg: SparkConfig, model_path: str):
@@ -105,24 +132,48 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
     a, t, lo = cfg.algorithm, cfg.trainer, cfg.lora
     algo_cfg = AlgoConfig(
         adv_estimator="drgrpo" if a.adv_estimator == "grpo" and not a.norm_adv_by_std else a.adv_estimator,
-        loss_mode=a.policy_loss, clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
-        loss_scale_factor=float(cfg.rollout.max_response_len), kl_coef=a.kl_coef, tis_cap=a.rollout_correction.tis_cap or None,
+        loss_mode=a.policy_loss,
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        loss_agg_mode=a.loss_agg_mode,
+        loss_scale_factor=float(cfg.rollout.max_response_len),
+        kl_coef=a.kl_coef,
+        tis_cap=a.rollout_correction.tis_cap or None,
         mis_token_bounds=(a.rollout_correction.mis_low, a.rollout_correction.mis_high)
-        if a.rollout_correction.mis_high else None,
+        if a.rollout_correction.mis_high
+        else None,
     )
     max_seq = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     return TrainerSpec(
-        model_path=model_path, dtype=cfg.model.dtype,
-        lora=LoraSpec(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, attention=bool(lo.target_modules),
-                      experts=lo.target_experts, latent=lo.target_latent,
-                      extra=[lo.extra] if lo.extra else []),
-        optim=OptimSpec(lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
-                        warmup_steps=t.warmup_steps, total_steps=t.total_steps * t.ppo_epochs,
-                        schedule=t.lr_schedule, grad_clip=t.grad_clip),
-        algo=algo_cfg, micro_batch_size=t.micro_batch_size,
+        model_path=model_path,
+        dtype=cfg.model.dtype,
+        lora=LoraSpec(
+            rank=lo.rank,
+            alpha=lo.alpha,
+            dropout=lo.dropout,
+            attention=bool(lo.target_modules),
+            experts=lo.target_experts,
+            latent=lo.target_latent,
+            extra=[lo.extra] if lo.extra else [],
+        ),
+        optim=OptimSpec(
+            lr=t.lr,
+            betas=tuple(t.betas),
+            eps=t.eps,
+            weight_decay=t.weight_decay,
+            warmup_steps=t.warmup_steps,
+            total_steps=t.total_steps * t.ppo_epochs,
+            schedule=t.lr_schedule,
+            grad_clip=t.grad_clip,
+        ),
+        algo=algo_cfg,
+        micro_batch_size=t.micro_batch_size,
         micro_batch_tokens=max(t.micro_batch_tokens, max_seq) if t.micro_batch_tokens else 0,
-        max_seq_len=max_seq, r3=cfg.r3.enabled, activation_checkpointing=t.activation_checkpointing,
+        max_seq_len=max_seq,
+        r3=cfg.r3.enabled,
+        activation_checkpointing=t.activation_checkpointing,
+        compile=t.compile,
         seed=cfg.run.seed,
     )
 
@@ -141,15 +192,38 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
     model_path, rollout_path = resolve_model_paths(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_prompts = load_prompts_for(cfg, cfg.data.train, tokenizer, "train", cfg.data.arith.train_rows)
-    eval_prompts = (load_prompts_for(cfg, cfg.eval.data, tokenizer, "test", cfg.data.arith.eval_rows)
-                    if cfg.eval.data else [])
-    rollout = RolloutPool(engine_spec_from_config(cfg, rollout_path), cfg.rollout.num_workers,
-                          stage_dir=str(default_stage_root(cfg.run.name)), placement_group=place.placement_group,
-                          bundle_indices=place.rollout_bundles, actor_options=place.rollout_options)
+    eval_prompts = (
+        load_prompts_for(cfg, cfg.eval.data, tokenizer, "test", cfg.data.arith.eval_rows)
+        if cfg.eval.data
+        else []
+    )
+    rollout = RolloutPool(
+        engine_spec_from_config(cfg, rollout_path),
+        cfg.rollout.num_workers,
+        stage_dir=str(default_stage_root(cfg.run.name)),
+        placement_group=place.placement_group,
+        bundle_indices=place.rollout_bundles,
+        actor_options=place.rollout_options,
+    )
     spec = trainer_spec(cfg, model_path)
-    trainer = TrainerGroup(spec, cfg.trainer.num_ranks, use_gpu=cfg.resources.num_gpus > 0,
-                           placement_group=place.placement_group, bundle_offset=place.trainer_bundle_offset,
-                           num_gpus_per_rank=place.trainer_gpus_per_rank)
+    trainer = TrainerGroup(
+        spec,
+        cfg.trainer.num_ranks,
+        use_gpu=cfg.resources.num_gpus > 0,
+        placement_group=place.placement_group,
+        bundle_offset=place.trainer_bundle_offset,
+        num_gpus_per_rank=place.trainer_gpus_per_rank,
+    )
     reward = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend)
-    return Components(tokenizer, train_prompts, eval_prompts, rollout, trainer, reward, spec, owns_ray, model_path,
-                      rollout_path)
+    return Components(
+        tokenizer,
+        train_prompts,
+        eval_prompts,
+        rollout,
+        trainer,
+        reward,
+        spec,
+        owns_ray,
+        model_path,
+        rollout_path,
+    )

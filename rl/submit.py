@@ -46,9 +46,25 @@ _CHECKOUT = Path(__file__).resolve().parent.parent
 PROJECT_ROOT: Path | None = _CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else None
 # Left out of the upload: Ray caps a working dir at a few hundred MB, and none of these is code.
 EXCLUDES = [
-    ".venv", "venv", ".git", "runs", "checkpoints", "build", "dist", "*.egg-info", "__pycache__",
-    ".pytest_cache", ".ruff_cache", ".hypothesis", ".cache", ".kit", ".whl", "*.safetensors", "*.pt",
-    "*.bin", "*.gguf",
+    ".venv",
+    "venv",
+    ".git",
+    "runs",
+    "checkpoints",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".hypothesis",
+    ".cache",
+    ".kit",
+    ".whl",
+    "*.safetensors",
+    "*.pt",
+    "*.bin",
+    "*.gguf",
 ]
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -100,12 +116,16 @@ def make_client(address: str | None = None):
                 raise
             return JobSubmissionClient(address)
     except AuthenticationError as e:
-        raise ConnectionError(f"the Ray job server at {address} refused us: {e}\nExport "
-                              "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) with the "
-                              "cluster's token") from None
+        raise ConnectionError(
+            f"the Ray job server at {address} refused us: {e}\nExport "
+            "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) with the "
+            "cluster's token"
+        ) from None
     except (ConnectionError, RuntimeError) as e:
-        raise ConnectionError(f"cannot reach the Ray job server at {address} ({e}); start a cluster "
-                              "(launch/head.sh) or pass --address / set RAY_ADDRESS") from None
+        raise ConnectionError(
+            f"cannot reach the Ray job server at {address} ({e}); start a cluster "
+            "(launch/head.sh) or pass --address / set RAY_ADDRESS"
+        ) from None
     finally:
         os.environ.update(hidden)
 
@@ -132,8 +152,11 @@ def parse_env(items: list[str] | None) -> dict[str, str]:
                 raise ValueError(f"--env {key}: not set in this environment (give KEY=VALUE)")
             value = os.environ[key]
         if _SECRET.search(key):
-            print(f"submit: warning: {key} goes into the job's runtime env, which the dashboard shows; "
-                  "prefer setting secrets in the node environment", file=sys.stderr)
+            print(
+                f"submit: warning: {key} goes into the job's runtime env, which the dashboard shows; "
+                "prefer setting secrets in the node environment",
+                file=sys.stderr,
+            )
         out[key] = value
     return out
 
@@ -184,9 +207,15 @@ def _local_path_overrides(cfg, working_dir: Path | None) -> list[str]:
     return out
 
 
-def train_command(recipe: str, overrides: list[str], *, python: str = sys.executable,
-                  runs_root: str | Path | None = None, working_dir: Path | None = PROJECT_ROOT,
-                  resume: bool = False) -> TrainCommand:
+def train_command(
+    recipe: str,
+    overrides: list[str],
+    *,
+    python: str = sys.executable,
+    runs_root: str | Path | None = None,
+    working_dir: Path | None = PROJECT_ROOT,
+    resume: bool = False,
+) -> TrainCommand:
     """The job's argv `python -m rl train RECIPE overrides... run.dir=<abs>`, its run directory and name.
     Loads the config here first, so a bad recipe or override fails before anything is submitted."""
     cfg = load_config(recipe, overrides)
@@ -212,22 +241,45 @@ def submission_id(run_name: str) -> str:
 # ----------------------------------------------------------------------------------------------------
 
 
-def submit_entrypoint(client, entrypoint: str, *, renv: dict | None = None, job_id: str | None = None,
-                      metadata: dict[str, str] | None = None) -> str:
+def submit_entrypoint(
+    client,
+    entrypoint: str,
+    *,
+    renv: dict | None = None,
+    job_id: str | None = None,
+    metadata: dict[str, str] | None = None,
+) -> str:
     """Submit any shell command as a job; returns its submission id."""
-    return client.submit_job(entrypoint=entrypoint, runtime_env=renv if renv is not None else runtime_env(),
-                             submission_id=job_id, metadata=metadata)
+    return client.submit_job(
+        entrypoint=entrypoint,
+        runtime_env=renv if renv is not None else runtime_env(),
+        submission_id=job_id,
+        metadata=metadata,
+    )
 
 
-def submit_run(client, recipe: str, overrides: list[str], *, python: str = sys.executable,
-               env: dict[str, str] | None = None, runs_root: str | Path | None = None,
-               working_dir: Path | None = PROJECT_ROOT, resume: bool = False) -> SubmittedJob:
-    cmd = train_command(recipe, overrides, python=python, runs_root=runs_root, working_dir=working_dir,
-                        resume=resume)
+def submit_run(
+    client,
+    recipe: str,
+    overrides: list[str],
+    *,
+    python: str = sys.executable,
+    env: dict[str, str] | None = None,
+    runs_root: str | Path | None = None,
+    working_dir: Path | None = PROJECT_ROOT,
+    resume: bool = False,
+) -> SubmittedJob:
+    cmd = train_command(
+        recipe, overrides, python=python, runs_root=runs_root, working_dir=working_dir, resume=resume
+    )
     entrypoint = shlex.join(cmd.argv)
-    job_id = submit_entrypoint(client, entrypoint, renv=runtime_env(working_dir, env),
-                               job_id=submission_id(cmd.run_name),
-                               metadata={"sparkrl_recipe": str(recipe), "sparkrl_run_dir": str(cmd.run_dir)})
+    job_id = submit_entrypoint(
+        client,
+        entrypoint,
+        renv=runtime_env(working_dir, env),
+        job_id=submission_id(cmd.run_name),
+        metadata={"sparkrl_recipe": str(recipe), "sparkrl_run_dir": str(cmd.run_dir)},
+    )
     return SubmittedJob(job_id, entrypoint, cmd.run_dir)
 
 
@@ -289,15 +341,24 @@ def main(args: argparse.Namespace) -> int:
     working_dir = Path(args.working_dir).resolve() if args.working_dir else PROJECT_ROOT
     env = parse_env(args.env)
     try:  # check the config before contacting the cluster
-        train_command(args.recipe, args.overrides, python=args.python, runs_root=args.runs_root,
-                      working_dir=working_dir)
+        train_command(
+            args.recipe, args.overrides, python=args.python, runs_root=args.runs_root, working_dir=working_dir
+        )
     except ConfigError as e:
         print(f"sparkrl submit: {e}", file=sys.stderr)
         return 2
     try:
         client = make_client(args.address)
-        job = submit_run(client, args.recipe, args.overrides, python=args.python, env=env,
-                         runs_root=args.runs_root, working_dir=working_dir, resume=args.resume)
+        job = submit_run(
+            client,
+            args.recipe,
+            args.overrides,
+            python=args.python,
+            env=env,
+            runs_root=args.runs_root,
+            working_dir=working_dir,
+            resume=args.resume,
+        )
     except (ConnectionError, RuntimeError) as e:  # unreachable cluster, refused token, refused job
         print(f"sparkrl submit: {e}", file=sys.stderr)
         return 2
@@ -305,8 +366,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"submit: entrypoint {job.entrypoint}")
     print(f"submit: run dir {job.run_dir}", flush=True)
     if args.no_wait:
-        print(f"submit: follow with `ray job logs --follow {job.job_id}`; "
-              f"stop with `ray job stop {job.job_id}`")
+        print(
+            f"submit: follow with `ray job logs --follow {job.job_id}`; stop with `ray job stop {job.job_id}`"
+        )
         return 0
     try:
         status = follow(client, job.job_id)
@@ -319,26 +381,45 @@ def main(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "submit", help="run `sparkrl train RECIPE [key=value ...]` as a Ray job and follow its logs",
+        "submit",
+        help="run `sparkrl train RECIPE [key=value ...]` as a Ray job and follow its logs",
         description="Submit `python -m rl train RECIPE [key=value ...]` to a Ray cluster (the Job SDK, as "
-                    "`ray job submit`), with this checkout as the job's working directory. Prints the job id "
-                    "and follows the logs unless --no-wait; the exit code follows the job's final status.")
+        "`ray job submit`), with this checkout as the job's working directory. Prints the job id "
+        "and follows the logs unless --no-wait; the exit code follows the job's final status.",
+    )
     p.add_argument("recipe", metavar="RECIPE")
     p.add_argument("overrides", nargs="*", metavar="key=value")
-    p.add_argument("--address", default=None,
-                   help=f"Ray dashboard address (default: $RAY_ADDRESS, else {DEFAULT_ADDRESS})")
-    p.add_argument("--python", default=sys.executable,
-                   help="interpreter the job runs, as a path on the cluster's head node (default: this one, "
-                        f"{sys.executable}: right for a local cluster or one that shares this venv path; "
-                        "Ray would otherwise use the cluster's `python` on PATH)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help=f"Ray dashboard address (default: $RAY_ADDRESS, else {DEFAULT_ADDRESS})",
+    )
+    p.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter the job runs, as a path on the cluster's head node (default: this one, "
+        f"{sys.executable}: right for a local cluster or one that shares this venv path; "
+        "Ray would otherwise use the cluster's `python` on PATH)",
+    )
     p.add_argument("--no-wait", action="store_true", help="print the job id and return")
-    p.add_argument("--runs-root", default=None,
-                   help="directory the run goes under, as seen from the head node (default: ./runs, made "
-                        "absolute; needs a filesystem the cluster shares)")
-    p.add_argument("--working-dir", default=None,
-                   help="directory uploaded as the job's working dir (default: this sparkrl checkout)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
-                   help="environment variable for the job (repeatable; KEY alone copies it from here)")
+    p.add_argument(
+        "--runs-root",
+        default=None,
+        help="directory the run goes under, as seen from the head node (default: ./runs, made "
+        "absolute; needs a filesystem the cluster shares)",
+    )
+    p.add_argument(
+        "--working-dir",
+        default=None,
+        help="directory uploaded as the job's working dir (default: this sparkrl checkout)",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY[=VALUE]",
+        help="environment variable for the job (repeatable; KEY alone copies it from here)",
+    )
     p.add_argument("--resume", action="store_true", help="pass --resume to train")
     p.set_defaults(func=main)
     return p

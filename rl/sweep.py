@@ -154,8 +154,9 @@ def _check_mapping(value: Any, where: str, section: str) -> dict[str, Any]:
         if not isinstance(key, str):
             raise _problem(where, f"{section}: key {key!r} is not a dotted key string")
         if key in RESERVED_KEYS:
-            raise _problem(where, f"{section}.{key}: may not be set in a sweep (the sweep names and places "
-                           "its runs)")
+            raise _problem(
+                where, f"{section}.{key}: may not be set in a sweep (the sweep names and places its runs)"
+            )
     return value
 
 
@@ -174,8 +175,11 @@ def _list_entries(value: Any, where: str) -> list[dict[str, Any]]:
             raise _problem(where, f"list: zipped axes must have the same length, got {shown}")
         return [dict(zip(axes, combo)) for combo in zip(*axes.values())]
     if not isinstance(value, list) or not value:
-        raise _problem(where, "list: expected a non-empty list of {dotted.key: value} mappings "
-                       "(or a mapping of equally long value lists)")
+        raise _problem(
+            where,
+            "list: expected a non-empty list of {dotted.key: value} mappings "
+            "(or a mapping of equally long value lists)",
+        )
     entries = []
     for i, entry in enumerate(value):
         if not isinstance(entry, dict) or not entry:
@@ -188,16 +192,22 @@ def _resolve_base(base: Any, sweep_path: Path) -> Path:
     """`base:` relative to the sweep file, else as `find_recipe` reads it (a shipped recipe's name)."""
     where = str(sweep_path)
     if not isinstance(base, str) or not base.strip():
-        raise _problem(where, "base: required: the recipe every run starts from (a path relative to this "
-                       "file, or a shipped recipe's name)")
+        raise _problem(
+            where,
+            "base: required: the recipe every run starts from (a path relative to this "
+            "file, or a shipped recipe's name)",
+        )
     beside = Path(os.path.normpath(sweep_path.parent / base))
     if beside.is_file():
         return beside
     try:
         return find_recipe(base)
     except ConfigError:
-        raise _problem(where, f"base: {base!r}: no such recipe (looked beside the sweep file, at {beside}, "
-                       "and among the shipped recipes)") from None
+        raise _problem(
+            where,
+            f"base: {base!r}: no such recipe (looked beside the sweep file, at {beside}, "
+            "and among the shipped recipes)",
+        ) from None
 
 
 def read_sweep_file(path: str | Path) -> dict[str, Any]:
@@ -342,8 +352,9 @@ def _cell(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
-def final_metrics_table(run_dirs: list[str | Path], keys: list[str] | None = None,
-                        status: dict[str, str] | None = None) -> str:
+def final_metrics_table(
+    run_dirs: list[str | Path], keys: list[str] | None = None, status: dict[str, str] | None = None
+) -> str:
     """A plain-text table: one row per run (its directory, last step, final metrics). Columns are `keys`,
     else TABLE_KEYS and every `val-core/*` metric any run logged. `status`: run dir -> a note (e.g.
     FAILED)."""
@@ -360,6 +371,7 @@ def final_metrics_table(run_dirs: list[str | Path], keys: list[str] | None = Non
             row.append(status.get(d, ""))
         rows.append(row)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
     def fmt(row: list[str]) -> str:  # run names left-aligned, numbers right-aligned
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
 
@@ -398,10 +410,19 @@ def run_submitted(sweep: Sweep, args: argparse.Namespace) -> dict[str, str]:
     while pending or running:
         while pending and len(running) < args.max_concurrent:
             p = pending.pop(0)
-            job = submit.submit_run(client, str(sweep.base), p.overrides, python=args.python,
-                                    env=submit.parse_env(args.env), runs_root=args.runs_root)
-            print(f"sweep: [{p.index + 1}/{len(sweep.points)}] {p.name}: job {job.job_id} "
-                  f"(follow: ray job logs --follow {job.job_id})", flush=True)
+            job = submit.submit_run(
+                client,
+                str(sweep.base),
+                p.overrides,
+                python=args.python,
+                env=submit.parse_env(args.env),
+                runs_root=args.runs_root,
+            )
+            print(
+                f"sweep: [{p.index + 1}/{len(sweep.points)}] {p.name}: job {job.job_id} "
+                f"(follow: ray job logs --follow {job.job_id})",
+                flush=True,
+            )
             running[job.job_id] = (p, job.run_dir)
         job_id, final = submit.wait_any(client, list(running))
         p, rdir = running.pop(job_id)
@@ -448,24 +469,45 @@ def main(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "sweep", help="one run per point of a grid/list over config keys (Ray jobs, or --local)",
+        "sweep",
+        help="one run per point of a grid/list over config keys (Ray jobs, or --local)",
         description="Expand SWEEP.yaml (format: recipes/sweeps/demo_lr_clip.yaml) into runs named after "
-                    "their point, run them, and print a table of their final metrics.")
+        "their point, run them, and print a table of their final metrics.",
+    )
     p.add_argument("sweep", metavar="SWEEP.yaml")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the points and their config diffs; run nothing")
-    p.add_argument("--local", action="store_true",
-                   help="run the points one after another here (python -m rl train), not as Ray jobs")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the points and their config diffs; run nothing"
+    )
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="run the points one after another here (python -m rl train), not as Ray jobs",
+    )
     p.add_argument("--fail-fast", action="store_true", help="--local: stop at the first failed run")
     p.add_argument("--address", default=None, help="Ray dashboard address (default: $RAY_ADDRESS)")
-    p.add_argument("--python", default=sys.executable,
-                   help="interpreter the runs use (default: this one; for Ray jobs, a path on the head node)")
-    p.add_argument("--max-concurrent", type=int, default=1,
-                   help="Ray jobs running at once (default 1: each run gets the whole cluster)")
+    p.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter the runs use (default: this one; for Ray jobs, a path on the head node)",
+    )
+    p.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=1,
+        help="Ray jobs running at once (default 1: each run gets the whole cluster)",
+    )
     p.add_argument("--runs-root", default=None, help="where submitted runs write (see `sparkrl submit -h`)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
-                   help="environment variable for the jobs (repeatable; KEY alone copies it from here)")
-    p.add_argument("--no-report", action="store_true",
-                   help="skip `sparkrl report` over the finished runs (written to <runs>/<name>/report)")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY[=VALUE]",
+        help="environment variable for the jobs (repeatable; KEY alone copies it from here)",
+    )
+    p.add_argument(
+        "--no-report",
+        action="store_true",
+        help="skip `sparkrl report` over the finished runs (written to <runs>/<name>/report)",
+    )
     p.set_defaults(func=main)
     return p

@@ -71,7 +71,9 @@ def _lora_linear(x, weight, offsets, factors) -> torch.Tensor:
     out = _grouped_linear(x, weight, offsets)
     if factors is not None:
         A, B, scaling = factors
-        out = out + scaling * _grouped_linear(_grouped_linear(x, A, offsets), B, offsets)
+        # Scale the small B, not the [S, out] product, and add in place (grouped_mm's backward does not need
+        # its output): one pass over the widest activation instead of three.
+        out.add_(_grouped_linear(_grouped_linear(x, A, offsets), B * scaling, offsets))
     return out
 
 
@@ -101,6 +103,18 @@ def grouped_lora_experts_forward(
     return unsorted.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
+_forward = grouped_lora_experts_forward
+
+
+def compile_experts(enabled: bool = True) -> None:
+    """Run the grouped expert forward through torch.compile (dynamic shapes: the token count varies), which
+    fuses the element-wise work around the grouped matmuls; off again with enabled=False."""
+    global _forward
+    _forward = (
+        torch.compile(grouped_lora_experts_forward, dynamic=True) if enabled else grouped_lora_experts_forward
+    )
+
+
 class GroupedLoraExperts(ParamWrapper):
     """The outermost of PEFT's nested ParamWrappers around a fused experts module, with a grouped forward.
     Installed by `use_grouped_expert_lora` (class swap: parameters, names and PEFT's methods unchanged)."""
@@ -108,11 +122,13 @@ class GroupedLoraExperts(ParamWrapper):
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
         chain, experts = _wrapper_chain(self)
         adapters = [a for a in self.active_adapters if a in self.lora_A]
-        if self.disable_adapters or self.merged or len(adapters) != 1 or args or kwargs:
-            return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         dtype = experts.gate_up_proj.dtype
+        # torch.compile traces grouped_mm for bf16 only (its meta function rejects other dtypes)
+        traced_other = torch.compiler.is_compiling() and dtype != torch.bfloat16
+        if self.disable_adapters or self.merged or len(adapters) != 1 or args or kwargs or traced_other:
+            return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         factors = {w.parameter_name: _factors(w, adapters[0], dtype) for w in chain}
-        return grouped_lora_experts_forward(experts, factors, hidden_states, top_k_index, top_k_weights)
+        return _forward(experts, factors, hidden_states, top_k_index, top_k_weights)
 
 
 def use_grouped_expert_lora(model: nn.Module) -> int:

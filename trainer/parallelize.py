@@ -1,5 +1,10 @@
-"""How the model is laid over the ranks: activation checkpointing, then FSDP2 per decoder layer, then the
-root (torchtitan's order). Mixed precision is stated once, in `parallelize`."""
+"""How the model is laid over the ranks: torch.compile per decoder layer, activation checkpointing around
+it, then FSDP2 per decoder layer, then the root. Mixed precision is stated once, in `parallelize`.
+
+Compile comes before checkpointing (torchtitan compiles the checkpointed block instead): the layers run
+PEFT's wrappers and the routing-replay hooks, whose graph breaks inside a checkpointed region send the whole
+region back to eager; a compiled layer inside an eager checkpoint keeps its fused kernels in both the
+forward and the recomputation (bench/lora_experts.py measured it on the H200: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,14 @@ def apply_activation_checkpointing(layers: nn.ModuleList) -> None:
     """Recompute each decoder layer in backward (non-reentrant: works with FSDP2 and frozen inputs)."""
     for i, layer in enumerate(layers):
         layers[i] = checkpoint_wrapper(layer, preserve_rng_state=True)
+
+
+def apply_compile(layers: nn.ModuleList) -> None:
+    """Each layer's forward through torch.compile, dynamic shapes (micro-batches differ in length). The layers
+    share their code, and their parameters are graph inputs, so they share compiled graphs too."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for layer in layers:
+        layer.compile(dynamic=True)
 
 
 def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> None:
@@ -37,9 +50,12 @@ def parallelize(
     *,
     compute_dtype: torch.dtype,
     activation_checkpointing: bool,
+    compile: bool = False,
 ) -> nn.Module:
     """model: the root module (the causal LM); layers: its decoder layers. Parameters are computed in
     compute_dtype (bf16 on GPU); gradients are reduced in fp32 onto the sharded fp32 LoRA weights."""
+    if compile:
+        apply_compile(layers)
     if activation_checkpointing:
         apply_activation_checkpointing(layers)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)

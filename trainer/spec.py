@@ -51,6 +51,7 @@ class TrainerSpec:
     max_seq_len: int = 4096  # prompt + response; a longer sample is an error
     r3: bool = True
     activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each decoder layer (CUDA only: the worker ignores it on CPU)
     seed: int = 0
 
     def __post_init__(self):

@@ -92,6 +92,7 @@ class TrainerWorker:
             self.mesh,
             compute_dtype=dtype,
             activation_checkpointing=spec.activation_checkpointing,
+            compile=spec.compile and use_cuda,
         )
         sharded_load.materialize(self.model, path, self.device, kept)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -21,16 +21,24 @@ class Prompt:
     index: int  # row in the source dataset
 
 
-def tokenize_prompts(dataset, tokenizer, max_prompt_len: int, prompt_key: str = "prompt",
-                     chat_template_kwargs: dict | None = None) -> tuple[list[Prompt], int]:
+def tokenize_prompts(
+    dataset,
+    tokenizer,
+    max_prompt_len: int,
+    prompt_key: str = "prompt",
+    chat_template_kwargs: dict | None = None,
+) -> tuple[list[Prompt], int]:
     """(prompts that fit, number dropped for length) from a verl-schema dataset."""
     if prompt_key not in dataset.column_names:
-        raise ValueError(f"data.prompt_key: column {prompt_key!r} is not in the dataset (columns: "
-                         f"{', '.join(dataset.column_names)})")
+        raise ValueError(
+            f"data.prompt_key: column {prompt_key!r} is not in the dataset (columns: "
+            f"{', '.join(dataset.column_names)})"
+        )
     kept, dropped = [], 0
     for i, row in enumerate(dataset):
-        ids = tokenizer.apply_chat_template(row[prompt_key], add_generation_prompt=True, tokenize=True,
-                                            **(chat_template_kwargs or {}))
+        ids = tokenizer.apply_chat_template(
+            row[prompt_key], add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})
+        )
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         if len(ids) > max_prompt_len:
@@ -38,14 +46,18 @@ def tokenize_prompts(dataset, tokenizer, max_prompt_len: int, prompt_key: str = 
             continue
         kept.append(Prompt(list(ids), row["data_source"], str(row["reward_model"]["ground_truth"]), i))
     if not kept:
-        raise ValueError(f"rollout.max_prompt_len: all {dropped} prompts are longer than {max_prompt_len} tokens")
+        raise ValueError(
+            f"rollout.max_prompt_len: all {dropped} prompts are longer than {max_prompt_len} tokens"
+        )
     return kept, dropped
 
 
 class PromptLoader:
     def __init__(self, prompts: list[Prompt], batch_size: int, shuffle: bool = True, seed: int = 0):
         if batch_size > len(prompts):
-            raise ValueError(f"data.train_batch_size: {batch_size} is more than the {len(prompts)} prompts available")
+            raise ValueError(
+                f"data.train_batch_size: {batch_size} is more than the {len(prompts)} prompts available"
+            )
         self.prompts, self.batch_size, self.shuffle, self.seed = prompts, batch_size, shuffle, seed
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
@@ -69,11 +81,18 @@ class PromptLoader:
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_prompts": len(self.prompts)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_prompts": len(self.prompts),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_prompts"] != len(self.prompts) or state["seed"] != self.seed:
-            raise ValueError(f"data loader state is for {state['num_prompts']} prompts with seed {state['seed']}, "
-                             f"this run has {len(self.prompts)} with seed {self.seed}: the data or data.seed changed")
+            raise ValueError(
+                f"data loader state is for {state['num_prompts']} prompts with seed {state['seed']}, "
+                f"this run has {len(self.prompts)} with seed {self.seed}: the data or data.seed changed"
+            )
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)

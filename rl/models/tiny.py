@@ -122,7 +122,10 @@ def build(arch: str, seed: int):
 
     tokenizer = train_tokenizer(seed)
     config = model_config(
-        arch, -(-len(tokenizer) // 64) * 64, tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+        arch,
+        -(-len(tokenizer) // 64) * 64,
+        tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        tokenizer.convert_tokens_to_ids(PAD_TOKEN),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -189,7 +192,9 @@ def _build_into(target: Path, arch: str, seed: int, sft: str | None) -> None:
 
 def _copy_atomically(src: Path, dst: Path) -> None:
     if dst.exists() and not (dst / "config.json").exists() and any(dst.iterdir()):
-        raise FileExistsError(f"make-tiny: --out {dst} exists and is not a model directory; not overwriting it")
+        raise FileExistsError(
+            f"make-tiny: --out {dst} exists and is not a model directory; not overwriting it"
+        )
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=dst.parent))
     shutil.copytree(src, tmp, dirs_exist_ok=True)

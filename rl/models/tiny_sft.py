@@ -59,13 +59,18 @@ def train(model, tokenizer, seed: int, steps: int = STEPS, noise: float = NOISE)
     )
     model.train()
     start = time.perf_counter()
-    with Progress(TextColumn("sft arith"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
-                  TimeElapsedColumn()) as progress:
+    with Progress(
+        TextColumn("sft arith"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
+        TimeElapsedColumn(),
+    ) as progress:
         task = progress.add_task("sft", total=steps, loss=float("nan"))
         for step in range(steps):
             chunk = rows[step * BATCH : (step + 1) * BATCH]
-            ids, mask, labels = _batch([_encode(tokenizer, r, sft_response(r, rng, noise)) for r in chunk],
-                                       tokenizer.pad_token_id)
+            ids, mask, labels = _batch(
+                [_encode(tokenizer, r, sft_response(r, rng, noise)) for r in chunk], tokenizer.pad_token_id
+            )
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -76,10 +81,20 @@ def train(model, tokenizer, seed: int, steps: int = STEPS, noise: float = NOISE)
     train_s = time.perf_counter() - start
     model.eval()
     acc = heldout_accuracy(model, tokenizer, seed)
-    report = {"steps": steps, "batch": BATCH, "noise": noise, "final_loss": loss.item(), "train_s": round(train_s, 1),
-              "heldout_acc": acc, "heldout_problems": EVAL_PROBLEMS, "acc_band": list(ACC_BAND)}
-    print(f"sft arith: held-out sampled accuracy {acc:.3f} on {EVAL_PROBLEMS} problems "
-          f"(band {ACC_BAND[0]}-{ACC_BAND[1]}), {train_s:.0f} s of training")
+    report = {
+        "steps": steps,
+        "batch": BATCH,
+        "noise": noise,
+        "final_loss": loss.item(),
+        "train_s": round(train_s, 1),
+        "heldout_acc": acc,
+        "heldout_problems": EVAL_PROBLEMS,
+        "acc_band": list(ACC_BAND),
+    }
+    print(
+        f"sft arith: held-out sampled accuracy {acc:.3f} on {EVAL_PROBLEMS} problems "
+        f"(band {ACC_BAND[0]}-{ACC_BAND[1]}), {train_s:.0f} s of training"
+    )
     return report
 
 
@@ -96,7 +111,12 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 @torch.no_grad()
 def heldout_accuracy(
-    model, tokenizer, seed: int, n: int = EVAL_PROBLEMS, temperature: float = 1.0, sample_seed: int | None = None
+    model,
+    tokenizer,
+    seed: int,
+    n: int = EVAL_PROBLEMS,
+    temperature: float = 1.0,
+    sample_seed: int | None = None,
 ) -> float:
     """Sampled (temperature 1) accuracy on held-out problems of `seed`, scored by rl.reward (math_dapo)."""
     from rl.reward import score
@@ -105,9 +125,17 @@ def heldout_accuracy(
     ids, mask = left_pad([_encode(tokenizer, r, "")[0] for r in rows], tokenizer.pad_token_id)
     width = ids.shape[1]
     torch.manual_seed(seed if sample_seed is None else sample_seed)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=1.0,
-                         top_k=0, max_new_tokens=24, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=temperature,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=24,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     correct = [score(t, r["reward_model"]["ground_truth"])["acc"] for t, r in zip(texts, rows)]
     return sum(correct) / n

@@ -14,12 +14,16 @@ from rl.metrics import read_metrics
 def test_demo_learns_within_its_kl_budget(tmp_path, tiny_moe_sft_path):
     from rl.driver import train
 
-    cfg = load_config("demo_cpu", ["run.name=demo_test", f"run.dir={tmp_path / 'demo'}", "logging.tensorboard=false"])
+    cfg = load_config(
+        "demo_cpu", ["run.name=demo_test", f"run.dir={tmp_path / 'demo'}", "logging.tensorboard=false"]
+    )
     start = time.perf_counter()
     summary = train(cfg)
     minutes = (time.perf_counter() - start) / 60
-    print(f"demo: {summary['eval_key']} {summary['eval_start']:.3f} -> {summary['eval_end']:.3f}, "
-          f"k3 KL max {summary['k3_kl_max']:.2e}, {minutes:.1f} min")
+    print(
+        f"demo: {summary['eval_key']} {summary['eval_start']:.3f} -> {summary['eval_end']:.3f}, "
+        f"k3 KL max {summary['k3_kl_max']:.2e}, {minutes:.1f} min"
+    )
     assert summary["eval_key"] == "val-core/synthetic/arith/acc/mean@8"
     assert summary["eval_end"] - summary["eval_start"] >= 0.25
     records = read_metrics(tmp_path / "demo")

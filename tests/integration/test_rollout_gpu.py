@@ -23,9 +23,19 @@ SEQ_LEN, NUM_SEQS = 96, 8
 
 
 def _spec(path, **kw):
-    return EngineSpec(model_path=str(path), dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.25,
-                      enforce_eager=True, max_num_seqs=32, enable_lora=True, max_lora_rank=8,
-                      return_routed_experts=True, seed=0, **kw)
+    return EngineSpec(
+        model_path=str(path),
+        dtype="bfloat16",
+        max_model_len=512,
+        gpu_memory_utilization=0.25,
+        enforce_eager=True,
+        max_num_seqs=32,
+        enable_lora=True,
+        max_lora_rank=8,
+        return_routed_experts=True,
+        seed=0,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +50,12 @@ def adapter(moe_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     peft_model = get_peft_model(model, config)
     torch.manual_seed(0)
     for name, p in peft_model.named_parameters():
@@ -65,15 +79,27 @@ def hf_logprobs(weights_path, sequences, adapter=None, dtype=torch.bfloat16):
     model = AutoModelForCausalLM.from_pretrained(weights_path, dtype=dtype).cuda().eval()
     if adapter is not None:
         tensors, cfg = adapter
-        model = get_peft_model(model, LoraConfig(**{k: v for k, v in cfg.items() if k in (
-            "r", "lora_alpha", "target_modules", "target_parameters", "use_rslora")}))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                **{
+                    k: v
+                    for k, v in cfg.items()
+                    if k in ("r", "lora_alpha", "target_modules", "target_parameters", "use_rslora")
+                }
+            ),
+        )
         set_peft_model_state_dict(model, {k: v.to(dtype) for k, v in tensors.items()})
         model.eval()
     out = []
     for ids in sequences:
         logits = model(torch.tensor([ids], device="cuda")).logits[0, :-1].float()
-        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0]
-                   .cpu().numpy())
+        out.append(
+            torch.log_softmax(logits, -1)
+            .gather(-1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0]
+            .cpu()
+            .numpy()
+        )
     del model
     torch.cuda.empty_cache()
     return out
@@ -96,9 +122,11 @@ def _check_expert_lora(worker, hf_weights, adapter, sequences, label):
     samples = worker.generate([PromptRequest(sequences[0][:40], 0)], SamplingSpec(n=2, max_tokens=16, seed=0))
     for s in samples:
         assert s.adapter_version == 1 and s.routed_experts is not None and s.routed_experts.any()
-    print(f"BENCH rollout_expert_lora[{label}] mean|dlogp| vllm-vs-peft={mismatch:.4f} "
-          f"base vllm-vs-hf={base_mismatch:.4f} adapter effect={effect:.4f} "
-          f"sync_bytes={metrics['perf/sync_bytes']} sync_s={metrics['perf/sync_s']:.3f}")
+    print(
+        f"BENCH rollout_expert_lora[{label}] mean|dlogp| vllm-vs-peft={mismatch:.4f} "
+        f"base vllm-vs-hf={base_mismatch:.4f} adapter effect={effect:.4f} "
+        f"sync_bytes={metrics['perf/sync_bytes']} sync_s={metrics['perf/sync_s']:.3f}"
+    )
     return mismatch, effect, base_mismatch
 
 

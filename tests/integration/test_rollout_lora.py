@@ -29,8 +29,17 @@ def dense_path():
 def worker(dense_path, tmp_path_factory):
     from rollout.worker import RolloutWorker
 
-    spec = EngineSpec(model_path=str(dense_path), dtype="float32", max_model_len=256, enforce_eager=True,
-                      cpu_kvcache_gb=1, max_num_seqs=16, enable_lora=True, max_lora_rank=8, seed=0)
+    spec = EngineSpec(
+        model_path=str(dense_path),
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        cpu_kvcache_gb=1,
+        max_num_seqs=16,
+        enable_lora=True,
+        max_lora_rank=8,
+        seed=0,
+    )
     w = RolloutWorker(spec, tmp_path_factory.mktemp("stage"))
     yield w
     w.shutdown()
@@ -42,8 +51,11 @@ def _adapter(path, seed):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                            "gate_proj", "up_proj", "down_proj"])
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     peft_model = get_peft_model(model, config).eval()
     torch.manual_seed(seed)
     for name, p in peft_model.named_parameters():
@@ -66,8 +78,12 @@ def prompts(dense_path):
 
     tok = AutoTokenizer.from_pretrained(dense_path)
     texts = ["What is 12 + 7?", "Compute 3 * 41 - 5.", "What is 90 - 18?"]
-    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False) for t in texts]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for t in texts
+    ]
 
 
 @torch.no_grad()
@@ -80,8 +96,10 @@ def hf_logprobs(model, ids, temperature=1.0):
 
 
 def _requests(prompts):
-    return [PromptRequest(prompt_ids=p, group=i, data_source="arith", ground_truth=str(i))
-            for i, p in enumerate(prompts)]
+    return [
+        PromptRequest(prompt_ids=p, group=i, data_source="arith", ground_truth=str(i))
+        for i, p in enumerate(prompts)
+    ]
 
 
 def test_sampled_logprobs_are_after_temperature_and_follow_the_sampled_token(worker, models, prompts):
@@ -90,15 +108,16 @@ def test_sampled_logprobs_are_after_temperature_and_follow_the_sampled_token(wor
     sampling = SamplingSpec(n=3, temperature=1.7, max_tokens=12, seed=5)
     samples = worker.generate(_requests(prompts), sampling)
     assert [(s.group, s.data_source, s.ground_truth) for s in samples] == [
-        (g, "arith", str(g)) for g in range(3) for _ in range(3)]
+        (g, "arith", str(g)) for g in range(3) for _ in range(3)
+    ]
     not_top1 = 0
     for s in samples:
         assert s.adapter_version == 1 and s.routed_experts is None
         assert s.finish_reason in ("stop", "length")
         assert s.finish_reason == "stop" or len(s.response_ids) == 12
         ref, top1 = hf_logprobs(peft_a, s.prompt_ids + s.response_ids, temperature=1.7)
-        np.testing.assert_allclose(s.response_logprobs, ref[len(s.prompt_ids) - 1:], atol=TOL)
-        not_top1 += int((~top1[len(s.prompt_ids) - 1:]).sum())
+        np.testing.assert_allclose(s.response_logprobs, ref[len(s.prompt_ids) - 1 :], atol=TOL)
+        not_top1 += int((~top1[len(s.prompt_ids) - 1 :]).sum())
     # At temperature 1.7 on a random model most sampled tokens are not the arg-max: the check above
     # covered the case where vLLM's top-1 entry is not the sampled token.
     assert not_top1 > 10
@@ -116,7 +135,9 @@ def test_adapter_changes_logprobs_and_next_version_replaces_it(worker, models, p
     metrics = worker.load_adapter(tensors_a, config_a, version=4)
     staged = sorted(p.name for p in worker.stage.dir.iterdir())
     assert staged == [f"adapter-v4-{worker._lora_ids}"]
-    assert metrics["perf/sync_bytes"] == sum(p.stat().st_size for p in (worker.stage.dir / staged[0]).iterdir())
+    assert metrics["perf/sync_bytes"] == sum(
+        p.stat().st_size for p in (worker.stage.dir / staged[0]).iterdir()
+    )
     assert metrics["perf/sync_bytes"] > sum(t.numel() * 4 for t in tensors_a.values())
     assert metrics["perf/sync_s"] > 0
     (a_lp,) = worker.prompt_logprobs([ids])
@@ -134,8 +155,8 @@ def test_adapter_changes_logprobs_and_next_version_replaces_it(worker, models, p
     assert [p.name for p in worker.stage.dir.iterdir()] == [worker._staged]
     for s in worker.generate(request, sampling):
         assert s.adapter_version == 5
-        ref_b = hf_logprobs(peft_b, s.prompt_ids + s.response_ids)[0][len(s.prompt_ids) - 1:]
-        ref_a = hf_logprobs(peft_a, s.prompt_ids + s.response_ids)[0][len(s.prompt_ids) - 1:]
+        ref_b = hf_logprobs(peft_b, s.prompt_ids + s.response_ids)[0][len(s.prompt_ids) - 1 :]
+        ref_a = hf_logprobs(peft_a, s.prompt_ids + s.response_ids)[0][len(s.prompt_ids) - 1 :]
         np.testing.assert_allclose(s.response_logprobs, ref_b, atol=TOL)
         assert np.abs(ref_a - ref_b).max() > 0.05
 

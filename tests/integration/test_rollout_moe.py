@@ -27,8 +27,16 @@ def moe_path():
 def worker(moe_path, tmp_path_factory):
     from rollout.worker import RolloutWorker
 
-    spec = EngineSpec(model_path=str(moe_path), dtype="float32", max_model_len=256, enforce_eager=True,
-                      cpu_kvcache_gb=1, max_num_seqs=16, return_routed_experts=True, seed=0)
+    spec = EngineSpec(
+        model_path=str(moe_path),
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        cpu_kvcache_gb=1,
+        max_num_seqs=16,
+        return_routed_experts=True,
+        seed=0,
+    )
     w = RolloutWorker(spec, tmp_path_factory.mktemp("stage"))
     yield w
     w.shutdown()
@@ -46,9 +54,12 @@ def prompts(moe_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(moe_path)
-    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False)
-            for t in ["What is 4 + 4?", "Compute 17 * 3 + 2.", "What is 100 - 1?"]]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for t in ["What is 4 + 4?", "Compute 17 * 3 + 2.", "What is 100 - 1?"]
+    ]
 
 
 @torch.no_grad()
@@ -81,7 +92,7 @@ def test_routed_experts_shape_dtype_and_agreement_with_transformers(worker, hf_b
         assert r.any() and r.max() < EXPERTS
         assert (r[..., 0] != r[..., 1]).all()  # distinct experts within each token's top-k
         logp, topk = hf_forward(hf_base, s.prompt_ids + s.response_ids)
-        np.testing.assert_allclose(s.response_logprobs, logp[len(s.prompt_ids) - 1:], atol=TOL)
+        np.testing.assert_allclose(s.response_logprobs, logp[len(s.prompt_ids) - 1 :], atol=TOL)
         # Row i is the routing of token i (the last sampled token is never fed back): same expert sets
         # as transformers' router on the same tokens, up to rare near-ties.
         same = np.sort(r, -1) == np.sort(topk[:-1], -1)
@@ -97,9 +108,15 @@ def merged(moe_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    )
     torch.manual_seed(7)
     for name, p in peft_model.named_parameters():
         if "lora_" in name:
@@ -126,10 +143,12 @@ def test_merged_weights_change_outputs_to_the_merged_model(worker, hf_base, merg
     np.testing.assert_allclose(before, ref_base, atol=TOL)
     np.testing.assert_allclose(after, ref_merged, atol=TOL)
     assert np.abs(after - before).max() > 0.05
-    s = worker.generate([PromptRequest(prompt_ids=prompts[0], group=0)], SamplingSpec(max_tokens=8, seed=1))[0]
+    s = worker.generate([PromptRequest(prompt_ids=prompts[0], group=0)], SamplingSpec(max_tokens=8, seed=1))[
+        0
+    ]
     assert s.adapter_version == 3
     logp, topk = hf_forward(merged_model, s.prompt_ids + s.response_ids)
-    np.testing.assert_allclose(s.response_logprobs, logp[len(s.prompt_ids) - 1:], atol=TOL)
+    np.testing.assert_allclose(s.response_logprobs, logp[len(s.prompt_ids) - 1 :], atol=TOL)
 
 
 def test_merged_weights_with_an_unknown_name_fail_before_loading(worker):

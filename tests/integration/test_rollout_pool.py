@@ -57,9 +57,17 @@ class StandInWorker:
                 os._exit(1)
             elif r.data_source == "raise":
                 raise ValueError(f"bad request in group {r.group}")
-            out += [Sample(prompt_ids=r.prompt_ids, response_ids=[os.getpid(), k], response_logprobs=[0.0, 0.0],
-                           finish_reason="stop", adapter_version=self.version, group=r.group)
-                    for k in range(sampling.n)]
+            out += [
+                Sample(
+                    prompt_ids=r.prompt_ids,
+                    response_ids=[os.getpid(), k],
+                    response_logprobs=[0.0, 0.0],
+                    finish_reason="stop",
+                    adapter_version=self.version,
+                    group=r.group,
+                )
+                for k in range(sampling.n)
+            ]
         return out
 
 
@@ -122,8 +130,17 @@ def test_pool_of_two_engines_survives_a_worker_killed_mid_batch(tmp_path):
     from rl.models.tiny import make_tiny
 
     path = make_tiny("dense")
-    spec = EngineSpec(model_path=str(path), dtype="float32", max_model_len=256, enforce_eager=True,
-                      cpu_kvcache_gb=1, max_num_seqs=32, enable_lora=True, max_lora_rank=8, seed=0)
+    spec = EngineSpec(
+        model_path=str(path),
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        cpu_kvcache_gb=1,
+        max_num_seqs=32,
+        enable_lora=True,
+        max_lora_rank=8,
+        seed=0,
+    )
     pool = RolloutPool(spec, 2, str(tmp_path / "stage"))
     tensors, config = _adapter(path)
     pool.load_adapter(tensors, config, version=2)

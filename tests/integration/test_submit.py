@@ -57,13 +57,28 @@ def ray_cluster():
     dash = _free_port()
     temp = tempfile.mkdtemp(prefix="srl_ray_", dir="/tmp")  # short: Ray's socket paths have a length limit
     log = open(Path(temp) / "ray_start.log", "w")
-    cmd = [RAY, "start", "--head", "--block", f"--port={_free_port()}", f"--dashboard-port={dash}",
-           f"--num-cpus={CLUSTER_CPUS}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-           f"--temp-dir={temp}",
-           f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-           "--disable-usage-stats"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**_env_without_ray_address(), "RAY_AUTH_MODE": "token"})
+    cmd = [
+        RAY,
+        "start",
+        "--head",
+        "--block",
+        f"--port={_free_port()}",
+        f"--dashboard-port={dash}",
+        f"--num-cpus={CLUSTER_CPUS}",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        f"--temp-dir={temp}",
+        f"--ray-client-server-port={_free_port()}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        "--disable-usage-stats",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**_env_without_ray_address(), "RAY_AUTH_MODE": "token"},
+    )
     address = f"http://127.0.0.1:{dash}"
     try:
         deadline = time.monotonic() + 180
@@ -103,16 +118,25 @@ def ray_cluster():
 
 def test_train_command_names_interpreter_and_absolute_run_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    cmd = submit.train_command("recipes/demo_cpu.yaml", ["trainer.total_steps=1"],
-                               python="/opt/py/bin/python", working_dir=ROOT)
+    cmd = submit.train_command(
+        "recipes/demo_cpu.yaml", ["trainer.total_steps=1"], python="/opt/py/bin/python", working_dir=ROOT
+    )
     argv, rdir = cmd.argv, cmd.run_dir
     assert cmd.run_name == "demo_cpu"
-    assert argv == ["/opt/py/bin/python", "-m", "rl", "train", "recipes/demo_cpu.yaml",
-                    "trainer.total_steps=1", f"run.dir={ROOT / 'runs' / 'demo_cpu'}"]
+    assert argv == [
+        "/opt/py/bin/python",
+        "-m",
+        "rl",
+        "train",
+        "recipes/demo_cpu.yaml",
+        "trainer.total_steps=1",
+        f"run.dir={ROOT / 'runs' / 'demo_cpu'}",
+    ]
     assert rdir == ROOT / "runs" / "demo_cpu"
 
-    cmd = submit.train_command("demo_cpu", ["run.name=x/y"], runs_root=tmp_path, working_dir=ROOT,
-                               resume=True)
+    cmd = submit.train_command(
+        "demo_cpu", ["run.name=x/y"], runs_root=tmp_path, working_dir=ROOT, resume=True
+    )
     argv, rdir = cmd.argv, cmd.run_dir
     assert argv[4] == "recipes/demo_cpu.yaml"  # a shipped recipe's name, found inside the upload
     assert argv[-2:] == [f"run.dir={tmp_path / 'x' / 'y'}", "--resume"]
@@ -134,18 +158,34 @@ def test_bad_override_fails_before_submitting(monkeypatch):
     monkeypatch.chdir(ROOT)
     with pytest.raises(ConfigError, match="trainer.lrr"):
         submit.train_command("recipes/demo_cpu.yaml", ["trainer.lrr=1"])
-    args = argparse.Namespace(recipe="recipes/demo_cpu.yaml", overrides=["trainer.total_steps=0"],
-                              working_dir=None, env=[], python=sys.executable, runs_root=None,
-                              address="http://127.0.0.1:1", no_wait=True, resume=False)
+    args = argparse.Namespace(
+        recipe="recipes/demo_cpu.yaml",
+        overrides=["trainer.total_steps=0"],
+        working_dir=None,
+        env=[],
+        python=sys.executable,
+        runs_root=None,
+        address="http://127.0.0.1:1",
+        no_wait=True,
+        resume=False,
+    )
     assert submit.main(args) == 2  # config error: no connection attempted (port 1 would refuse)
 
 
 def test_unreachable_cluster_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    args = argparse.Namespace(recipe="recipes/demo_cpu.yaml", overrides=[], working_dir=None, env=[],
-                              python=sys.executable, runs_root=None, address="http://127.0.0.1:1",
-                              no_wait=True, resume=False)
+    args = argparse.Namespace(
+        recipe="recipes/demo_cpu.yaml",
+        overrides=[],
+        working_dir=None,
+        env=[],
+        python=sys.executable,
+        runs_root=None,
+        address="http://127.0.0.1:1",
+        no_wait=True,
+        resume=False,
+    )
     assert submit.main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("sparkrl submit: cannot reach the Ray job server at http://127.0.0.1:1")
@@ -179,8 +219,10 @@ def test_submission_id_is_url_safe():
 def test_submit_trivial_entrypoint_follows_logs(ray_cluster):
     client = submit.make_client(ray_cluster)
     # The job runs in the uploaded checkout: prove it by importing rl from there and printing its cwd.
-    code = ("import os, rl; print('hello from', os.path.basename(os.path.dirname(rl.__file__))); "
-            "print(os.getcwd())")
+    code = (
+        "import os, rl; print('hello from', os.path.basename(os.path.dirname(rl.__file__))); "
+        "print(os.getcwd())"
+    )
     job_id = submit.submit_entrypoint(client, shlex.join([sys.executable, "-c", code]), job_id="srl-hello")
     assert job_id == "srl-hello"
     out = io.StringIO()
@@ -200,8 +242,18 @@ def test_submit_command_no_wait_then_wait(ray_cluster, tmp_path, monkeypatch, ca
     parser = argparse.ArgumentParser(prog="sparkrl")
     submit.register(parser.add_subparsers(dest="command"))
     monkeypatch.chdir(ROOT)
-    args = parser.parse_args(["submit", "recipes/demo_cpu.yaml", "trainer.total_steps=1", "--no-wait",
-                              "--address", ray_cluster, "--runs-root", str(tmp_path)])
+    args = parser.parse_args(
+        [
+            "submit",
+            "recipes/demo_cpu.yaml",
+            "trainer.total_steps=1",
+            "--no-wait",
+            "--address",
+            ray_cluster,
+            "--runs-root",
+            str(tmp_path),
+        ]
+    )
     assert args.func(args) == 0
     out = capsys.readouterr().out
     job_id = out.split("submit: job ", 1)[1].split()[0]
@@ -218,11 +270,25 @@ def test_submit_command_no_wait_then_wait(ray_cluster, tmp_path, monkeypatch, ca
 @pytest.mark.slow
 def test_submit_demo_one_step(ray_cluster, tmp_path):
     """CI: `sparkrl submit recipes/demo_cpu.yaml` with one step on a local cluster; needs `sparkrl train`."""
-    cmd = [sys.executable, "-m", "rl", "submit", "recipes/demo_cpu.yaml", "trainer.total_steps=1",
-           "eval.every=0", "eval.at_start=false", "trainer.checkpoint_every=0", "logging.tensorboard=false",
-           "--address", ray_cluster, "--runs-root", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                          env=_env_without_ray_address())
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl",
+        "submit",
+        "recipes/demo_cpu.yaml",
+        "trainer.total_steps=1",
+        "eval.every=0",
+        "eval.at_start=false",
+        "trainer.checkpoint_every=0",
+        "logging.tensorboard=false",
+        "--address",
+        ray_cluster,
+        "--runs-root",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=_env_without_ray_address()
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "SUCCEEDED" in proc.stdout
     lines = (tmp_path / "demo_cpu" / "metrics.jsonl").read_text().splitlines()
@@ -240,24 +306,40 @@ def test_sweep_through_submit_collects_final_metrics(ray_cluster, tmp_path, monk
     def stand_in(recipe, overrides, **kw):
         cmd = real(recipe, overrides, **kw)
         lr = next(a.split("=", 1)[1] for a in cmd.argv if a.startswith("trainer.lr="))
-        code = ("import json, os, sys; d = sys.argv[1]; os.makedirs(d, exist_ok=True); "
-                "open(os.path.join(d, 'metrics.jsonl'), 'w').write("
-                "json.dumps({'step': 3, 'reward/mean': float(sys.argv[2]) * 1000}) + '\\n')")
+        code = (
+            "import json, os, sys; d = sys.argv[1]; os.makedirs(d, exist_ok=True); "
+            "open(os.path.join(d, 'metrics.jsonl'), 'w').write("
+            "json.dumps({'step': 3, 'reward/mean': float(sys.argv[2]) * 1000}) + '\\n')"
+        )
         cmd.argv = [kw.get("python", sys.executable), "-c", code, str(cmd.run_dir), lr]
         return cmd
 
     monkeypatch.setattr(submit, "train_command", stand_in)
     sweep_file = tmp_path / "s.yaml"
-    sweep_file.write_text(f"base: {ROOT / 'recipes' / 'demo_cpu.yaml'}\nname: rs\n"
-                          "grid: {trainer.lr: [1.0e-4, 3.0e-4]}\n")
+    sweep_file.write_text(
+        f"base: {ROOT / 'recipes' / 'demo_cpu.yaml'}\nname: rs\ngrid: {{trainer.lr: [1.0e-4, 3.0e-4]}}\n"
+    )
     monkeypatch.chdir(ROOT)
     parser = argparse.ArgumentParser(prog="sparkrl")
     S.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["sweep", str(sweep_file), "--address", ray_cluster, "--runs-root",
-                              str(tmp_path / "runs"), "--max-concurrent", "2", "--no-report"])
+    args = parser.parse_args(
+        [
+            "sweep",
+            str(sweep_file),
+            "--address",
+            ray_cluster,
+            "--runs-root",
+            str(tmp_path / "runs"),
+            "--max-concurrent",
+            "2",
+            "--no-report",
+        ]
+    )
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert out.count(": SUCCEEDED") == 2
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(str(tmp_path))}
-    assert rows == {str(tmp_path / "runs" / "rs" / "lr=1e-4"): ["3", "0.1", "ok"],
-                    str(tmp_path / "runs" / "rs" / "lr=3e-4"): ["3", "0.3", "ok"]}
+    assert rows == {
+        str(tmp_path / "runs" / "rs" / "lr=1e-4"): ["3", "0.1", "ok"],
+        str(tmp_path / "runs" / "rs" / "lr=3e-4"): ["3", "0.3", "ok"],
+    }

@@ -21,14 +21,38 @@ from rl.metrics import read_metrics
 
 # design.md's step metrics that every CPU step reports.
 STEP_KEYS = [
-    "reward/mean", "acc/mean", "response_length/mean", "response_length/clip_ratio", "rollout_corr/k3_kl",
-    "rollout_corr/log_ppl_diff", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
-    "actor/grad_norm", "actor/lr", "r3/replayed_fraction", "perf/step_s", "perf/rollout_s", "perf/train_s",
-    "perf/sync_s", "perf/sync_bytes", "perf/rollout_tokens_per_s", "perf/train_tokens_per_s",
-    "batch/kept_groups", "reward/errors", "train/skipped_steps",
+    "reward/mean",
+    "acc/mean",
+    "response_length/mean",
+    "response_length/clip_ratio",
+    "rollout_corr/k3_kl",
+    "rollout_corr/log_ppl_diff",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "r3/replayed_fraction",
+    "perf/step_s",
+    "perf/rollout_s",
+    "perf/train_s",
+    "perf/sync_s",
+    "perf/sync_bytes",
+    "perf/rollout_tokens_per_s",
+    "perf/train_tokens_per_s",
+    "batch/kept_groups",
+    "reward/errors",
+    "train/skipped_steps",
 ]
-SMALL = ["data.train_batch_size=4", "rollout.n=4", "data.arith.eval_rows=8", "eval.k=4", "eval.every=2",
-         "logging.tensorboard=false"]
+SMALL = [
+    "data.train_batch_size=4",
+    "rollout.n=4",
+    "data.arith.eval_rows=8",
+    "eval.k=4",
+    "eval.every=2",
+    "logging.tensorboard=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +126,20 @@ def test_three_steps_resume_and_a_killed_rollout_worker(tmp_path, ray_cluster, t
 def test_dense_model_runs_adapter_only_sync(tmp_path, ray_cluster, tiny_dense_path):
     from rl.driver import train
 
-    cfg = _cfg(tmp_path, "dense", ["model.make_tiny.arch=dense", "model.make_tiny.sft=", "sync.mode=adapter",
-                                   "r3.enabled=false", "lora.target_experts=false", "trainer.total_steps=2",
-                                   "eval.at_start=false", "eval.every=0"])
+    cfg = _cfg(
+        tmp_path,
+        "dense",
+        [
+            "model.make_tiny.arch=dense",
+            "model.make_tiny.sft=",
+            "sync.mode=adapter",
+            "r3.enabled=false",
+            "lora.target_experts=false",
+            "trainer.total_steps=2",
+            "eval.at_start=false",
+            "eval.every=0",
+        ],
+    )
     train(cfg)
     records = read_metrics(tmp_path / "dense")
     assert [r["step"] for r in records] == [1, 2]
@@ -126,10 +161,27 @@ def test_dense_model_runs_adapter_only_sync(tmp_path, ray_cluster, tiny_dense_pa
 
 def test_sigterm_writes_a_checkpoint_then_exits(tmp_path, tiny_moe_sft_path):
     run_dir = tmp_path / "term"
-    cmd = [sys.executable, "-m", "rl", "train", "demo_cpu", "run.name=term", f"run.dir={run_dir}", *SMALL,
-           "trainer.total_steps=200", "trainer.checkpoint_every=0", "eval.every=0", "eval.at_start=false"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl",
+        "train",
+        "demo_cpu",
+        "run.name=term",
+        f"run.dir={run_dir}",
+        *SMALL,
+        "trainer.total_steps=200",
+        "trainer.checkpoint_every=0",
+        "eval.every=0",
+        "eval.at_start=false",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         deadline = time.time() + 300
         while time.time() < deadline and not _steps(run_dir):

@@ -30,7 +30,8 @@ def make_spec() -> TrainerSpec:
     return TrainerSpec(
         model_path=str(make_tiny("qwen3_moe")),
         dtype="float32",  # exact comparisons on CPU; bf16 compute is the GPU default
-        lora=LoraSpec(rank=4, alpha=8.0, init_lora_weights=False),
+        # rank 8: the expert LoRA takes the grouped path (trainer/lora_experts.py; rank 4 would keep PEFT's)
+        lora=LoraSpec(rank=8, alpha=16.0, init_lora_weights=False),
         optim=OPTIM,
         algo=ALGO,
         micro_batch_size=2,
@@ -128,7 +129,7 @@ def test_two_ranks_match_the_single_process_reference(group, reference, batch, t
     from peft import get_peft_model_state_dict
 
     assert set(adapter) == set(get_peft_model_state_dict(model))
-    assert config["r"] == 4 and sorted(config["target_parameters"]) == [
+    assert config["r"] == 8 and sorted(config["target_parameters"]) == [
         "mlp.experts.down_proj",
         "mlp.experts.gate_up_proj",
     ]
@@ -184,7 +185,7 @@ def test_bad_input_is_named_and_no_rank_hangs(group, batch, tmp_path):
     write_adapter(tmp_path / "wrong", wrong, config)
     with pytest.raises(
         ValueError,
-        match=r"does not match the model\n(.*\n)*.*k_proj.lora_A.weight: shape \(8, 128\), the model has",
+        match=r"does not match the model\n(.*\n)*.*k_proj.lora_A.weight: shape \(16, 128\), the model has",
     ):
         group.load_adapter(str(tmp_path / "wrong"))
     # the group still works after rejecting all of these

@@ -51,7 +51,9 @@ def _rank_main(rank, world, port, path, activation_checkpointing, out_dir):
         )
         read = sharded_load.materialize(model, path, torch.device("cpu"), kept)
         full = {
-            sharded_load.unwrapped_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            sharded_load.unwrapped_name(n): (p.full_tensor() if isinstance(p, DTensor) else p)
+            .detach()
+            .clone()
             for n, p in model.named_parameters()
         }
         full.update({sharded_load.unwrapped_name(n): b.clone() for n, b in model.named_buffers()})

@@ -40,15 +40,22 @@ def ray_cluster():
 def _run(tmp_path, name, overrides):
     from rl.driver import train
 
-    cfg = load_config("demo_cpu", [f"run.name={name}", f"run.dir={tmp_path / name}", "logging.tensorboard=false",
-                                   *overrides])
+    cfg = load_config(
+        "demo_cpu",
+        [f"run.name={name}", f"run.dir={tmp_path / name}", "logging.tensorboard=false", *overrides],
+    )
     train(cfg)
     return tmp_path / name
 
 
 def test_same_seed_same_run(tmp_path, ray_cluster, tiny_moe_sft_path):
-    small = ["trainer.total_steps=3", "data.train_batch_size=8", "data.arith.eval_rows=8", "eval.every=3",
-             "trainer.checkpoint_every=0"]
+    small = [
+        "trainer.total_steps=3",
+        "data.train_batch_size=8",
+        "data.arith.eval_rows=8",
+        "eval.every=3",
+        "trainer.checkpoint_every=0",
+    ]
     a, b = _run(tmp_path, "a", small), _run(tmp_path, "b", small)
     ra, rb = read_metrics(a), read_metrics(b)
     assert [r["step"] for r in ra] == [r["step"] for r in rb] == [0, 1, 2, 3]
@@ -66,8 +73,14 @@ def test_same_seed_same_run(tmp_path, ray_cluster, tiny_moe_sft_path):
 def kl_runs(tmp_path_factory, ray_cluster, tiny_moe_sft_path):
     """20 bf16 steps with R3 on and off (same seed): per-step k3 KL of each."""
     tmp = tmp_path_factory.mktemp("kl")
-    common = ["model.dtype=bfloat16", "trainer.total_steps=20", "data.train_batch_size=16", "eval.every=0",
-              "eval.at_start=false", "trainer.checkpoint_every=0"]
+    common = [
+        "model.dtype=bfloat16",
+        "trainer.total_steps=20",
+        "data.train_batch_size=16",
+        "eval.every=0",
+        "eval.at_start=false",
+        "trainer.checkpoint_every=0",
+    ]
     out = {}
     for r3 in (True, False):
         run = _run(tmp, f"r3_{'on' if r3 else 'off'}", [*common, f"r3.enabled={str(r3).lower()}"])
@@ -96,9 +109,16 @@ def test_r3_kl_matches_the_golden_ranges(kl_runs):
     if os.environ.get("SPARKRL_UPDATE_GOLDEN"):
         # x4 either way: CPU kernels vary a little between machines; a broken replay moves steps by x10+.
         ranges = [[float(x / 4), float(x * 4)] for x in on]
-        GOLDEN.write_text(json.dumps({"what": "k3 KL per step, tiny MoE demo, bf16, R3 on, seed 0",
-                                      "ranges": ranges}, indent=1) + "\n")
+        GOLDEN.write_text(
+            json.dumps(
+                {"what": "k3 KL per step, tiny MoE demo, bf16, R3 on, seed 0", "ranges": ranges}, indent=1
+            )
+            + "\n"
+        )
     ranges = json.loads(GOLDEN.read_text())["ranges"]
-    outside = [(i + 1, f"{x:.2e}", lo_hi) for i, (x, lo_hi) in enumerate(zip(on, ranges))
-               if not lo_hi[0] <= x <= lo_hi[1]]
+    outside = [
+        (i + 1, f"{x:.2e}", lo_hi)
+        for i, (x, lo_hi) in enumerate(zip(on, ranges))
+        if not lo_hi[0] <= x <= lo_hi[1]
+    ]
     assert not outside, f"steps outside the golden KL ranges (step, k3, [lo, hi]): {outside}"

@@ -49,17 +49,21 @@ def _write(tmp_path):
         total_s=1.6,
         gb_per_s=0.44,
     )
-    Results(tmp_path, "trainer").add(
-        model="muse",
-        samples=32,
-        seq_len=1024,
-        train_tokens_per_s=50_000.0,
-        log_probs_tokens_per_s=150_000.0,
-        mfu_6n=0.35,
-        mfu_4n=0.23,
-        log_probs_mfu_2n=0.2,
-        matmul_tflops=700.0,
-    )
+    trainer = Results(tmp_path, "trainer")
+    for ac, mfu in ((True, 0.31), (False, 0.45)):
+        trainer.add(
+            model="muse",
+            samples=32,
+            seq_len=1024,
+            activation_checkpointing=ac,
+            compile=True,
+            train_tokens_per_s=50_000.0 * mfu / 0.31,
+            log_probs_tokens_per_s=150_000.0,
+            mfu_6n=mfu,
+            mfu_4n=mfu * 2 / 3,
+            log_probs_mfu_2n=0.2,
+            matmul_tflops=700.0,
+        )
     kl = Results(tmp_path, "kl")
     for row, k3 in (("nvfp4_r3_on", 8e-5), ("nvfp4_r3_off", 3e-4)):
         kl.add(
@@ -105,7 +109,9 @@ def test_goals_and_tables(tmp_path):
     lines = {line.split("|")[2].strip(): line for line in goals.splitlines()[2:] if line.startswith("| ")}
     assert "PASS" in lines["R3 cost of rollout tok/s <= 3 % (every batch)"]
     assert "FAIL" in lines["adapter sync <= 2 % of step (GRPO run)"]  # 0.8 s of 10 s
-    assert "PASS" in lines["trainer MFU (6N) >= 30 %"]
+    # held at the recipe's setting (AC on: 31 %), the faster AC-off row quoted beside it
+    mfu = lines["trainer MFU (6N) >= 30 % (AC on)"]
+    assert "PASS" in mfu and "31.0%" in mfu and "AC off: 45.0%" in mfu
     assert "PASS" in lines["k3 KL with R3 <= 1e-4 and < R3 off"]
     assert "FAIL" in lines["GRPO per-step k3 <= 1e-4 (2 steps)"]  # 8e-5 then 1.6e-4
     assert "adapter sync <= 2 % of step (recipe step, modelled)" in lines

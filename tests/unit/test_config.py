@@ -58,10 +58,18 @@ def test_minimal_recipe_gets_schema_defaults(tmp_path):
 
 
 def test_overrides_are_typed_and_applied_in_order(tmp_path):
-    cfg = load_config(recipe(tmp_path), [
-        "trainer.lr=3e-4", "rollout.n=4", "rollout.n=16", "r3.enabled=false",
-        "lora.target_modules=[q_proj,v_proj]", "run.dir=", "trainer.betas=[0.8,0.9]",
-    ])
+    cfg = load_config(
+        recipe(tmp_path),
+        [
+            "trainer.lr=3e-4",
+            "rollout.n=4",
+            "rollout.n=16",
+            "r3.enabled=false",
+            "lora.target_modules=[q_proj,v_proj]",
+            "run.dir=",
+            "trainer.betas=[0.8,0.9]",
+        ],
+    )
     assert cfg.trainer.lr == pytest.approx(3e-4) and isinstance(cfg.trainer.lr, float)
     assert cfg.rollout.n == 16
     assert cfg.r3.enabled is False
@@ -127,8 +135,10 @@ def test_misspelt_section_and_nested_key(tmp_path):
     msg = error(recipe(tmp_path, text))
     assert "2 config problems" in msg
     assert "unknown key 'trainr' (did you mean 'trainer'?)" in msg
-    assert ("unknown key 'algorithm.rollout_correction.tis_capp' "
-            "(did you mean 'algorithm.rollout_correction.tis_cap'?)") in msg
+    assert (
+        "unknown key 'algorithm.rollout_correction.tis_capp' "
+        "(did you mean 'algorithm.rollout_correction.tis_cap'?)"
+    ) in msg
 
 
 def test_key_in_the_wrong_section_points_to_the_right_one():
@@ -152,38 +162,47 @@ def test_wrong_type_in_recipe(tmp_path):
 
 def test_wrong_type_in_override(tmp_path):
     assert error(recipe(tmp_path), ["rollout.n=8.5"]) == (
-        "override 'rollout.n=8.5': rollout.n: expected an integer, got 8.5 (float)")
+        "override 'rollout.n=8.5': rollout.n: expected an integer, got 8.5 (float)"
+    )
     assert error(recipe(tmp_path), ["r3.enabled=maybe"]) == (
-        "override 'r3.enabled=maybe': r3.enabled: expected true or false, got 'maybe' (str)")
+        "override 'r3.enabled=maybe': r3.enabled: expected true or false, got 'maybe' (str)"
+    )
 
 
 def test_wrong_type_list_and_section(tmp_path):
     assert "lora.target_modules: expected a list of strings, got 'q_proj' (str)" in error(
-        recipe(tmp_path), ["lora.target_modules=q_proj"])
+        recipe(tmp_path), ["lora.target_modules=q_proj"]
+    )
     assert "trainer.betas[1]: expected a list of numbers, got 'x' (str)" in error(
-        recipe(tmp_path), ["trainer.betas=[0.9,x]"])
+        recipe(tmp_path), ["trainer.betas=[0.9,x]"]
+    )
     assert "trainer: expected a mapping (the section TrainerConfig), got 5 (int)" in error(
-        recipe(tmp_path), ["trainer=5"])
+        recipe(tmp_path), ["trainer=5"]
+    )
     assert "trainer.lr: expected a number, got a mapping" in error(recipe(tmp_path), ["trainer.lr={a: 1}"])
     assert "run.name: expected a string, got null" in error(recipe(tmp_path), ["run.name=null"])
 
 
 def test_missing_required_values(tmp_path):
     path = recipe(tmp_path, "model: {path: m}\ndata: {train: x}\n")
-    assert error(path) == (f"{path}: run.name: required value is missing (set it in the recipe or with "
-                           "run.name=...)")
+    assert error(path) == (
+        f"{path}: run.name: required value is missing (set it in the recipe or with run.name=...)"
+    )
     path = recipe(tmp_path, "run: {name: a}\nmodel: {path: m}\n")
     assert "data.train: required value is missing" in error(path)
     path = recipe(tmp_path, "run: {name: a}\ndata: {train: x}\n")
-    assert error(path) == (f"{path}: model.path: required value is missing (a Hugging Face id or checkpoint "
-                           "directory), unless model.make_tiny.arch is set")
+    assert error(path) == (
+        f"{path}: model.path: required value is missing (a Hugging Face id or checkpoint "
+        "directory), unless model.make_tiny.arch is set"
+    )
     # make_tiny stands in for model.path
     assert load_config(path, ["model.make_tiny.arch=qwen3_moe"]).model.path == ""
 
 
 def test_bad_override_format(tmp_path):
     assert error(recipe(tmp_path), ["trainer.lr"]) == (
-        "override 'trainer.lr': expected key=value with a dotted key, e.g. trainer.lr=1e-5")
+        "override 'trainer.lr': expected key=value with a dotted key, e.g. trainer.lr=1e-5"
+    )
     assert "expected key=value" in error(recipe(tmp_path), ["trainer..lr=1"])
     assert "expected key=value" in error(recipe(tmp_path), ["=1"])
 
@@ -200,8 +219,9 @@ def test_duplicate_yaml_key_is_an_error(tmp_path):
 
 def test_recipe_that_is_not_a_mapping(tmp_path):
     path = recipe(tmp_path, "- a\n- b\n")
-    assert error(path) == (f"{path}: <top level>: expected a mapping (the section SparkConfig), "
-                           "got ['a', 'b'] (list)")
+    assert error(path) == (
+        f"{path}: <top level>: expected a mapping (the section SparkConfig), got ['a', 'b'] (list)"
+    )
 
 
 def test_missing_recipe_file(tmp_path):
@@ -211,7 +231,8 @@ def test_missing_recipe_file(tmp_path):
 def test_choice_error_suggests_the_nearest_choice(tmp_path):
     assert error(recipe(tmp_path), ["sync.mode=mergd"]) == (
         "override 'sync.mode=mergd': sync.mode: expected one of 'adapter', 'merged', got 'mergd' "
-        "(did you mean 'merged'?)")
+        "(did you mean 'merged'?)"
+    )
 
 
 def test_range_and_cross_section_errors_name_the_key_and_its_origin(tmp_path):
@@ -219,8 +240,9 @@ def test_range_and_cross_section_errors_name_the_key_and_its_origin(tmp_path):
     msg = error(path, ["rollout.n=1", "lora.dropout=1.5"])
     assert "3 config problems" in msg
     assert f"{path}: trainer.mini_batch_size: must divide data.train_batch_size (32), got 5" in msg
-    assert ("override 'rollout.n=1': rollout.n: grpo compares samples within a group: need at least 2, "
-            "got 1") in msg
+    assert (
+        "override 'rollout.n=1': rollout.n: grpo compares samples within a group: need at least 2, got 1"
+    ) in msg
     assert "override 'lora.dropout=1.5': lora.dropout: must be in [0, 1), got 1.5" in msg
 
 
@@ -229,21 +251,34 @@ def test_bounds_declared_on_fields(tmp_path):
     assert "trainer.lr: must be greater than 0, got 0.0" in error(recipe(tmp_path), ["trainer.lr=0"])
     assert "eval.k: must be at least 1, got 0" in error(recipe(tmp_path), ["eval.k=0"])
     assert "data.arith.num_terms: must be at least 2, got 1" in error(
-        recipe(tmp_path), ["data.arith.num_terms=1"])
+        recipe(tmp_path), ["data.arith.num_terms=1"]
+    )
     assert "trainer.betas: must be two numbers in [0, 1), got [0.9]" in error(
-        recipe(tmp_path), ["trainer.betas=[0.9]"])
+        recipe(tmp_path), ["trainer.betas=[0.9]"]
+    )
 
 
 def test_interpolation_error_names_the_key(tmp_path):
     assert error(recipe(tmp_path), ["rollout.seed=${run.nope}"]) == (
-        "override 'rollout.seed=${run.nope}': rollout.seed: Interpolation key 'run.nope' not found")
+        "override 'rollout.seed=${run.nope}': rollout.seed: Interpolation key 'run.nope' not found"
+    )
 
 
 def test_resources_must_hold_the_workers(tmp_path):
-    msg = error(recipe(tmp_path), ["resources.num_gpus=8", "trainer.num_ranks=8", "rollout.num_workers=2",
-                                   "rollout.tensor_parallel_size=4", "rollout.placement=split"])
-    assert msg == ("override 'rollout.placement=split': rollout.placement: split placement needs 8 rollout "
-                   "+ 8 trainer GPUs, more than resources.num_gpus (8)")
+    msg = error(
+        recipe(tmp_path),
+        [
+            "resources.num_gpus=8",
+            "trainer.num_ranks=8",
+            "rollout.num_workers=2",
+            "rollout.tensor_parallel_size=4",
+            "rollout.placement=split",
+        ],
+    )
+    assert msg == (
+        "override 'rollout.placement=split': rollout.placement: split placement needs 8 rollout "
+        "+ 8 trainer GPUs, more than resources.num_gpus (8)"
+    )
 
 
 def test_validate_is_clean_on_defaults_with_required_values():
@@ -287,8 +322,11 @@ def test_save_replaces_an_existing_file(tmp_path):
 
 
 def test_there_are_the_three_recipes():
-    assert {p.name for p in RECIPES} >= {"demo_cpu.yaml", "muse_spark_open_dapo_lora.yaml",
-                                         "qwen3_30b_a3b_dapo_lora.yaml"}
+    assert {p.name for p in RECIPES} >= {
+        "demo_cpu.yaml",
+        "muse_spark_open_dapo_lora.yaml",
+        "qwen3_30b_a3b_dapo_lora.yaml",
+    }
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -357,7 +395,8 @@ def test_sweep_example_expands_to_valid_configs(path):
     configs = [load_config(base, overrides) for base, overrides in runs]
     assert len({c.run.name for c in configs}) == 8
     assert {(c.trainer.lr, c.algorithm.clip_ratio_high, c.lora.rank) for c in configs} == {
-        (lr, clip, rank) for lr in (1e-4, 3e-4) for clip in (0.2, 0.28) for rank in (8, 16)}
+        (lr, clip, rank) for lr in (1e-4, 3e-4) for clip in (0.2, 0.28) for rank in (8, 16)
+    }
     assert all(c.trainer.total_steps == 20 for c in configs)
 
 

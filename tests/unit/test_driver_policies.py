@@ -19,27 +19,55 @@ def test_cpu_runs_need_no_placement_group():
 
 
 def test_colocated_shares_each_gpu_between_a_rank_and_an_engine():
-    bundles, place = plan_placement(_cfg("resources.num_gpus=2", "trainer.num_ranks=2", "rollout.num_workers=2",
-                                         "rollout.placement=colocated"))
+    bundles, place = plan_placement(
+        _cfg(
+            "resources.num_gpus=2",
+            "trainer.num_ranks=2",
+            "rollout.num_workers=2",
+            "rollout.placement=colocated",
+        )
+    )
     assert bundles == [{"GPU": 1, "CPU": 2}] * 2
     assert place.trainer_gpus_per_rank == 0.5 and place.rollout_options["num_gpus"] == 0.5
     assert place.rollout_bundles == [0, 1]
 
 
 def test_split_gives_engines_their_own_tp_bundles():
-    bundles, place = plan_placement(_cfg("resources.num_gpus=8", "trainer.num_ranks=4", "rollout.num_workers=2",
-                                         "rollout.tensor_parallel_size=2", "rollout.placement=split"))
+    bundles, place = plan_placement(
+        _cfg(
+            "resources.num_gpus=8",
+            "trainer.num_ranks=4",
+            "rollout.num_workers=2",
+            "rollout.tensor_parallel_size=2",
+            "rollout.placement=split",
+        )
+    )
     assert bundles == [{"GPU": 1, "CPU": 1}] * 4 + [{"GPU": 2, "CPU": 1}] * 2
     assert place.rollout_bundles == [4, 5] and place.trainer_gpus_per_rank == 1.0
 
 
 def test_layouts_that_do_not_fit_name_the_keys():
-    with pytest.raises(ValueError, match=r"rollout.placement: split placement needs 4 rollout \+ 2 trainer GPUs"):
-        plan_placement(_cfg("resources.num_gpus=4", "trainer.num_ranks=2", "rollout.num_workers=2",
-                            "rollout.tensor_parallel_size=2", "rollout.placement=split"))
+    with pytest.raises(
+        ValueError, match=r"rollout.placement: split placement needs 4 rollout \+ 2 trainer GPUs"
+    ):
+        plan_placement(
+            _cfg(
+                "resources.num_gpus=4",
+                "trainer.num_ranks=2",
+                "rollout.num_workers=2",
+                "rollout.tensor_parallel_size=2",
+                "rollout.placement=split",
+            )
+        )
     with pytest.raises(ValueError, match="rollout.tensor_parallel_size: colocated placement runs TP-1"):
-        plan_placement(_cfg("resources.num_gpus=2", "trainer.num_ranks=2", "rollout.tensor_parallel_size=2",
-                            "rollout.placement=colocated"))
+        plan_placement(
+            _cfg(
+                "resources.num_gpus=2",
+                "trainer.num_ranks=2",
+                "rollout.tensor_parallel_size=2",
+                "rollout.placement=colocated",
+            )
+        )
 
 
 class _Log:
@@ -68,5 +96,7 @@ def test_a_non_finite_update_is_skipped_counted_and_three_in_a_row_abort():
         run._count_skips(step, metrics)
         assert metrics["train/skipped_steps"] == [1, 1, 2, 3][step - 1]
     assert run.skipped_in_a_row == 2 and len(run.log.events) == 3
-    with pytest.raises(StopRun, match=r"3 updates in a row had a non-finite loss .*trainer.max_skipped_steps=3"):
+    with pytest.raises(
+        StopRun, match=r"3 updates in a row had a non-finite loss .*trainer.max_skipped_steps=3"
+    ):
         run._count_skips(5, {"actor/skipped_step": 1.0})

@@ -17,13 +17,25 @@ GiB = 2**30
 # A small MoE: 4 layers (3 sliding-window of 128 tokens, 1 full), hidden 64, 4 heads / 2 KV heads of 16,
 # 8 experts (top-2) of intermediate 32, vocab 100, untied, stored as NVFP4.
 SMALL = {
-    "model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100, "num_experts": 8, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32, "intermediate_size": 96, "tie_word_embeddings": False,
-    "max_position_embeddings": 1024, "sliding_window": 128,
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 4,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 100,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "intermediate_size": 96,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 1024,
+    "sliding_window": 128,
     "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
-    "quantization_config": {"quant_method": "compressed-tensors",
-                            "config_groups": {"group_0": {"format": "nvfp4-pack-quantized"}}},
+    "quantization_config": {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": {"format": "nvfp4-pack-quantized"}},
+    },
 }
 
 RECIPE = """
@@ -95,7 +107,10 @@ def test_small_model_trainer_by_hand(small_cfg):
     assert p.t_activations == 4 * 1024 * 64 * 2 + work + 1024 * 100 * (2 + 4 + 4)
     assert p.t_peak == p.t_weights + p.t_lora_state + p.t_gathered + p.t_activations + GiB
     assert p.fits and [name for name, ok, _ in p.verdicts if ok] == [
-        "rollout", "colocated, rollout phase", "colocated, training phase"]
+        "rollout",
+        "colocated, rollout phase",
+        "colocated, training phase",
+    ]
 
 
 def test_small_model_does_not_fit_and_says_what_to_change(small_cfg):
@@ -104,8 +119,10 @@ def test_small_model_does_not_fit_and_says_what_to_change(small_cfg):
     assert need == pytest.approx(0.5109, abs=1e-4)
     assert not p.fits
     assert ("rollout", False) in [(n, ok) for n, ok, _ in p.verdicts]
-    assert "rollout.gpu_memory_utilization=0.52 (at least) gives vLLM room for one full-length sequence" \
+    assert (
+        "rollout.gpu_memory_utilization=0.52 (at least) gives vLLM room for one full-length sequence"
         in p.suggestions
+    )
     text = P.format_plan(p, "small.yaml")
     assert "verdict: DOES NOT FIT" in text and "OVER rollout" in text
 
@@ -161,8 +178,14 @@ def test_qwen3_builtin_matches_published_size():
 
 
 def test_dense_config_and_vllm_ranks():
-    dense = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "vocab_size": 10,
-             "intermediate_size": 48, "tie_word_embeddings": True}
+    dense = {
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "vocab_size": 10,
+        "intermediate_size": 48,
+        "tie_word_embeddings": True,
+    }
     s = P.shape_from_hf(dense, "d", "test")
     assert (s.num_dense_layers, s.head_dim, s.num_kv_heads) == (2, 16, 2)
     assert s.params["dense_mlp"] == 2 * 3 * 32 * 48 and s.params["embeddings"] == 10 * 32
@@ -188,8 +211,22 @@ def test_builtin_muse_agrees_with_the_model_config(tmp_path):
     config = muse.MuseSparkConfig().to_dict()
     built_in = P.muse_spark_open()
     read = P.shape_from_hf(config, "muse", "test")
-    fields = ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "vocab", "num_experts",
-              "top_k", "expert_inter", "latent", "window", "window_layers", "max_context", "head_gate")
+    fields = (
+        "num_layers",
+        "hidden",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "vocab",
+        "num_experts",
+        "top_k",
+        "expert_inter",
+        "latent",
+        "window",
+        "window_layers",
+        "max_context",
+        "head_gate",
+    )
     assert {f: getattr(read, f) for f in fields} == {f: getattr(built_in, f) for f in fields}
     for group, total in built_in.params.items():
         assert read.params[group] == pytest.approx(total, rel=0.01), group

@@ -14,13 +14,30 @@ from rl.report import kl_verdict, load_run, write_report
 def _run(tmp_path, name, kls, budget=1e-3, r3=True):
     d = tmp_path / name
     d.mkdir()
-    (d / "config.yaml").write_text(yaml.safe_dump({"run": {"name": name}, "r3": {"enabled": r3},
-                                                   "monitor": {"k3_kl_max": budget, "k3_kl_trend_max": 0}}))
+    (d / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": name},
+                "r3": {"enabled": r3},
+                "monitor": {"k3_kl_max": budget, "k3_kl_trend_max": 0},
+            }
+        )
+    )
     recs = [{"step": 0, "val-core/synthetic/arith/acc/mean@8": 0.4}]
     for i, kl in enumerate(kls, start=1):
-        recs.append({"step": i, "reward/mean": 0.1 * i, "acc/mean": 0.5, "rollout_corr/k3_kl": kl,
-                     "response_length/mean": 14.0, "perf/step_s": 2.0, "perf/rollout_s": 1.0,
-                     "perf/train_s": 0.8, "perf/sync_s": 0.2})
+        recs.append(
+            {
+                "step": i,
+                "reward/mean": 0.1 * i,
+                "acc/mean": 0.5,
+                "rollout_corr/k3_kl": kl,
+                "response_length/mean": 14.0,
+                "perf/step_s": 2.0,
+                "perf/rollout_s": 1.0,
+                "perf/train_s": 0.8,
+                "perf/sync_s": 0.2,
+            }
+        )
     recs[-1]["val-core/synthetic/arith/acc/mean@8"] = 0.7
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     return d
@@ -42,7 +59,14 @@ def test_report_for_two_runs_side_by_side(tmp_path):
     assert first[0].startswith("- OK: r3_on") and first[1].startswith("- FAIL: r3_off")
     assert "| r3_on | 2 |" in text and "0.7" in text
     pngs = sorted(p.name for p in (tmp_path / "cmp").glob("*.png"))
-    assert pngs == ["accuracy.png", "eval.png", "k3_kl.png", "response_length.png", "reward.png", "step_time.png"]
+    assert pngs == [
+        "accuracy.png",
+        "eval.png",
+        "k3_kl.png",
+        "response_length.png",
+        "reward.png",
+        "step_time.png",
+    ]
     assert all((tmp_path / "cmp" / p).stat().st_size > 5000 for p in pngs)
 
 

@@ -24,7 +24,10 @@ def _peft_moe(target_parameters, rank=4, alpha=8.0, use_rslora=False, seed=0):
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny("qwen3_moe"), dtype=torch.float32)
     config = LoraConfig(
-        r=rank, lora_alpha=alpha, use_rslora=use_rslora, target_modules=["q_proj", "v_proj"],
+        r=rank,
+        lora_alpha=alpha,
+        use_rslora=use_rslora,
+        target_modules=["q_proj", "v_proj"],
         target_parameters=target_parameters,
     )
     peft_model = get_peft_model(model, config)
@@ -87,8 +90,11 @@ def test_per_expert_delta_equals_peft_fused_delta(moe_both):
         down = wrappers["down_proj"].get_delta_weight("default")  # [E, H, I]
         assert gate_up.shape == (E, 2 * INTER, H) and down.shape == (E, H, INTER)
         for e in range(E):
-            for proj, want in (("gate_proj", gate_up[e, :INTER]), ("up_proj", gate_up[e, INTER:]),
-                               ("down_proj", down[e])):
+            for proj, want in (
+                ("gate_proj", gate_up[e, :INTER]),
+                ("up_proj", gate_up[e, INTER:]),
+                ("down_proj", down[e]),
+            ):
                 torch.testing.assert_close(lora_delta(out, f"{pre}.{e}", proj), want, rtol=1e-5, atol=1e-6)
 
 
@@ -124,8 +130,12 @@ def test_split_fused_lora_indexing():
 
 def test_in_memory_adapter_names_and_numpy_are_accepted(moe_both):
     _, tensors, cfg, (out, _) = moe_both
-    renamed = {k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"):
-               v.numpy() for k, v in tensors.items()}
+    renamed = {
+        k.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+            ".lora_B.weight", ".lora_B.default.weight"
+        ): v.numpy()
+        for k, v in tensors.items()
+    }
     out2, _ = peft_to_vllm(renamed, cfg)
     assert out2.keys() == out.keys()
     assert all(torch.equal(out[k], out2[k]) for k in out)

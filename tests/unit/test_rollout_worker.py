@@ -29,7 +29,9 @@ NVFP4_MOE = ModelInfo(num_layers=4, num_experts=8, top_k=2, quantization="nvfp4"
 
 def _routing(rows=5, layers=4, seed=0):
     rng = np.random.default_rng(seed)
-    return np.stack([[rng.choice(8, 2, replace=False) for _ in range(layers)] for _ in range(rows)]).astype(np.uint8)
+    return np.stack([[rng.choice(8, 2, replace=False) for _ in range(layers)] for _ in range(rows)]).astype(
+        np.uint8
+    )
 
 
 def test_routed_experts_checks():
@@ -60,19 +62,44 @@ def test_sampled_logprobs_pick_the_sampled_token_not_the_top1():
 
 
 def test_engine_settings_pass_through():
-    spec = EngineSpec(model_path="/m", dtype="float32", max_model_len=300, gpu_memory_utilization=0.3,
-                      enforce_eager=True, max_num_seqs=7, seed=9, tensor_parallel_size=2, enable_lora=True,
-                      max_lora_rank=12, return_routed_experts=True, enable_sleep_mode=True,
-                      enable_prefix_caching=False, extra_engine_args={"swap_space": 1})
+    spec = EngineSpec(
+        model_path="/m",
+        dtype="float32",
+        max_model_len=300,
+        gpu_memory_utilization=0.3,
+        enforce_eager=True,
+        max_num_seqs=7,
+        seed=9,
+        tensor_parallel_size=2,
+        enable_lora=True,
+        max_lora_rank=12,
+        return_routed_experts=True,
+        enable_sleep_mode=True,
+        enable_prefix_caching=False,
+        extra_engine_args={"swap_space": 1},
+    )
     kw = engine_kwargs(spec, MOE)
     # CPU generators cannot rewind after a chunked prefill (see engine_kwargs): whole prefills there.
     assert kw.pop("enable_chunked_prefill", None) is (False if not torch.cuda.is_available() else None)
     assert kw == dict(
-        model="/m", dtype="float32", seed=9, gpu_memory_utilization=0.3, enforce_eager=True, max_num_seqs=7,
-        tensor_parallel_size=2, enable_prefix_caching=False, trust_remote_code=False,
-        logprobs_mode="processed_logprobs", worker_extension_cls="rollout.vllm_ext.SparkWorkerExtension",
-        max_model_len=300, enable_lora=True, max_lora_rank=16, max_loras=1,  # 12 -> vLLM's next rank, 16
-        enable_return_routed_experts=True, enable_sleep_mode=True, swap_space=1,
+        model="/m",
+        dtype="float32",
+        seed=9,
+        gpu_memory_utilization=0.3,
+        enforce_eager=True,
+        max_num_seqs=7,
+        tensor_parallel_size=2,
+        enable_prefix_caching=False,
+        trust_remote_code=False,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls="rollout.vllm_ext.SparkWorkerExtension",
+        max_model_len=300,
+        enable_lora=True,
+        max_lora_rank=16,
+        max_loras=1,  # 12 -> vLLM's next rank, 16
+        enable_return_routed_experts=True,
+        enable_sleep_mode=True,
+        swap_space=1,
     )
     # R3 only where there is routing; max_model_len 0 leaves vLLM's default.
     kw = engine_kwargs(EngineSpec(model_path="/m", return_routed_experts=True), DENSE)
@@ -88,8 +115,10 @@ def test_marlin_is_pinned_for_nvfp4_experts_with_lora():
 
 def test_quantization_is_read_from_the_checkpoint_config():
     nvfp4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
-    grouped = {"quant_method": "compressed-tensors",
-               "config_groups": {"group_0": {"format": "nvfp4-pack-quantized", "weights": {"num_bits": 4}}}}
+    grouped = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": {"format": "nvfp4-pack-quantized", "weights": {"num_bits": 4}}},
+    }
     assert _quantization_kind(nvfp4) == _quantization_kind(grouped) == "nvfp4"
     assert _quantization_kind({"quant_method": "fp8"}) == "fp8"
     assert _quantization_kind(None) is None

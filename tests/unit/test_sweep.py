@@ -28,17 +28,33 @@ def test_demo_sweep_expands_list_outermost_last_grid_key_fastest():
     sweep = S.load_sweep(DEMO)
     assert sweep.base == ROOT / "recipes" / "demo_cpu.yaml"
     assert len(sweep.points) == 8
-    values = [(p.values["trainer.lr"], p.values["algorithm.clip_ratio_high"], p.values["lora.rank"])
-              for p in sweep.points]
-    assert values == [(1e-4, 0.2, 8), (1e-4, 0.28, 8), (3e-4, 0.2, 8), (3e-4, 0.28, 8),
-                      (1e-4, 0.2, 16), (1e-4, 0.28, 16), (3e-4, 0.2, 16), (3e-4, 0.28, 16)]
+    values = [
+        (p.values["trainer.lr"], p.values["algorithm.clip_ratio_high"], p.values["lora.rank"])
+        for p in sweep.points
+    ]
+    assert values == [
+        (1e-4, 0.2, 8),
+        (1e-4, 0.28, 8),
+        (3e-4, 0.2, 8),
+        (3e-4, 0.28, 8),
+        (1e-4, 0.2, 16),
+        (1e-4, 0.28, 16),
+        (3e-4, 0.2, 16),
+        (3e-4, 0.28, 16),
+    ]
     first, last = sweep.points[0], sweep.points[-1]
     assert first.name == "demo_lr_clip/lr=1e-4,clip_ratio_high=0.2,rank=8,alpha=16"
     assert last.name == "demo_lr_clip/lr=3e-4,clip_ratio_high=0.28,rank=16,alpha=32"
     # base, then overrides, then the list entry, then the grid point; run.name last.
-    assert last.overrides == ["trainer.total_steps=20", "eval.every=10", "lora.rank=16", "lora.alpha=32",
-                              "trainer.lr=0.0003", "algorithm.clip_ratio_high=0.28",
-                              "run.name=demo_lr_clip/lr=3e-4,clip_ratio_high=0.28,rank=16,alpha=32"]
+    assert last.overrides == [
+        "trainer.total_steps=20",
+        "eval.every=10",
+        "lora.rank=16",
+        "lora.alpha=32",
+        "trainer.lr=0.0003",
+        "algorithm.clip_ratio_high=0.28",
+        "run.name=demo_lr_clip/lr=3e-4,clip_ratio_high=0.28,rank=16,alpha=32",
+    ]
     assert len({p.name for p in sweep.points}) == 8
 
 
@@ -53,36 +69,55 @@ def test_point_config_is_the_train_command_config():
 
 def test_grid_only_list_only_zipped_and_single(tmp_path):
     base = "base: demo_cpu\n"
-    grid = S.load_sweep(_write(tmp_path, base + "name: g\n"
-                               "grid: {trainer.lr: [1.0e-4, 2.0e-4], rollout.n: [4, 8, 16]}\n"))
+    grid = S.load_sweep(
+        _write(tmp_path, base + "name: g\ngrid: {trainer.lr: [1.0e-4, 2.0e-4], rollout.n: [4, 8, 16]}\n")
+    )
     assert [(p.values["trainer.lr"], p.values["rollout.n"]) for p in grid.points] == [
-        (1e-4, 4), (1e-4, 8), (1e-4, 16), (2e-4, 4), (2e-4, 8), (2e-4, 16)]
-    zipped = S.load_sweep(_write(tmp_path, base + "name: z\n"
-                                 "list: {lora.rank: [8, 16], lora.alpha: [16, 32]}\n"))
+        (1e-4, 4),
+        (1e-4, 8),
+        (1e-4, 16),
+        (2e-4, 4),
+        (2e-4, 8),
+        (2e-4, 16),
+    ]
+    zipped = S.load_sweep(
+        _write(tmp_path, base + "name: z\nlist: {lora.rank: [8, 16], lora.alpha: [16, 32]}\n")
+    )
     assert [p.name for p in zipped.points] == ["z/rank=8,alpha=16", "z/rank=16,alpha=32"]
-    entries = S.load_sweep(_write(tmp_path, base + "list: [{lora.rank: 8}, {trainer.lr: 1.0e-3}]\n",
-                                  "e.yaml"))
+    entries = S.load_sweep(
+        _write(tmp_path, base + "list: [{lora.rank: 8}, {trainer.lr: 1.0e-3}]\n", "e.yaml")
+    )
     assert [p.name for p in entries.points] == ["e/rank=8", "e/lr=0.001"]  # name defaults to the file stem
     single = S.load_sweep(_write(tmp_path, base + "name: one\noverrides: {trainer.total_steps: 2}\n"))
     assert [(p.name, p.overrides) for p in single.points] == [
-        ("one", ["trainer.total_steps=2", "run.name=one"])]
+        ("one", ["trainer.total_steps=2", "run.name=one"])
+    ]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("base: demo_cpu\ngrid: {run.name: [a, b]}\n", "grid.run.name: may not be set in a sweep"),
-    ("base: demo_cpu\noverrides: {run.dir: x}\n", "overrides.run.dir: may not be set in a sweep"),
-    ("base: demo_cpu\ngird: {trainer.lr: [1]}\n", "unknown key 'gird' (did you mean 'grid'?)"),
-    ("base: demo_cpu\ngrid: {trainer.lr: 1.0e-4}\n", "grid.trainer.lr: expected a non-empty list"),
-    ("base: demo_cpu\nlist: {lora.rank: [8, 16], lora.alpha: [16]}\n",
-     "list: zipped axes must have the same length, got lora.rank: 2, lora.alpha: 1"),
-    ("base: demo_cpu\ngrid: {lora.rank: [8]}\nlist: [{lora.rank: 16}]\n",
-     "lora.rank: set by both grid and list"),
-    ("base: demo_cpu\noverrides: {trainer.lr: 1}\ngrid: {trainer.lr: [1, 2]}\n",
-     "trainer.lr: set by overrides and by an axis"),
-    ("base: nowhere.yaml\n", "base: 'nowhere.yaml': no such recipe"),
-    ("name: x\n", "base: required"),
-    ("base: demo_cpu\nlist: [{}]\n", "list[0]: expected a non-empty mapping"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("base: demo_cpu\ngrid: {run.name: [a, b]}\n", "grid.run.name: may not be set in a sweep"),
+        ("base: demo_cpu\noverrides: {run.dir: x}\n", "overrides.run.dir: may not be set in a sweep"),
+        ("base: demo_cpu\ngird: {trainer.lr: [1]}\n", "unknown key 'gird' (did you mean 'grid'?)"),
+        ("base: demo_cpu\ngrid: {trainer.lr: 1.0e-4}\n", "grid.trainer.lr: expected a non-empty list"),
+        (
+            "base: demo_cpu\nlist: {lora.rank: [8, 16], lora.alpha: [16]}\n",
+            "list: zipped axes must have the same length, got lora.rank: 2, lora.alpha: 1",
+        ),
+        (
+            "base: demo_cpu\ngrid: {lora.rank: [8]}\nlist: [{lora.rank: 16}]\n",
+            "lora.rank: set by both grid and list",
+        ),
+        (
+            "base: demo_cpu\noverrides: {trainer.lr: 1}\ngrid: {trainer.lr: [1, 2]}\n",
+            "trainer.lr: set by overrides and by an axis",
+        ),
+        ("base: nowhere.yaml\n", "base: 'nowhere.yaml': no such recipe"),
+        ("name: x\n", "base: required"),
+        ("base: demo_cpu\nlist: [{}]\n", "list[0]: expected a non-empty mapping"),
+    ],
+)
 def test_sweep_file_mistakes_name_the_file_and_key(tmp_path, text, message):
     path = _write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
@@ -105,12 +140,24 @@ def test_bad_point_config_names_sweep_point_and_key(tmp_path):
 
 def test_values_in_names_and_as_overrides():
     assert [S.name_value(v) for v in (3e-4, 1e-4, 0.28, 20.0, 1e-5, 100000.0, 0.001, 7, True, None)] == [
-        "3e-4", "1e-4", "0.28", "20", "1e-5", "1e5", "0.001", "7", "true", "null"]
+        "3e-4",
+        "1e-4",
+        "0.28",
+        "20",
+        "1e-5",
+        "1e5",
+        "0.001",
+        "7",
+        "true",
+        "null",
+    ]
     assert S.name_value(["q_proj", "v_proj"]) == "q_proj+v_proj"
     assert S.name_value("org/data set?split=test") == "org_data_set_split=test"
     assert S.short_keys(["rollout.temperature", "eval.temperature", "trainer.lr"]) == {
-        "rollout.temperature": "rollout.temperature", "eval.temperature": "eval.temperature",
-        "trainer.lr": "lr"}
+        "rollout.temperature": "rollout.temperature",
+        "eval.temperature": "eval.temperature",
+        "trainer.lr": "lr",
+    }
     for value in (3e-4, 0.28, 20, True, "", "3", "synthetic:arith", [1, 2], {"enable_thinking": False}, None):
         text = S.yaml_value(value)
         assert parse_override(f"k={text}") == ("k", value), text
@@ -140,14 +187,21 @@ def test_dry_run_prints_points_and_diffs(tmp_path):
     lines = text.splitlines()
     assert lines[0] == f"sweep {path}: 8 run(s) from {tmp_path / 'base.yaml'}"
     block = text.split("[3] ")[1].split("[4] ")[0].splitlines()
-    assert block[0] == ("demo_lr_clip/lr=3e-4,clip_ratio_high=0.28,rank=8,alpha=16  "
-                        "(run dir runs/demo_lr_clip/lr=3e-4,clip_ratio_high=0.28,rank=8,alpha=16)")
+    assert block[0] == (
+        "demo_lr_clip/lr=3e-4,clip_ratio_high=0.28,rank=8,alpha=16  "
+        "(run dir runs/demo_lr_clip/lr=3e-4,clip_ratio_high=0.28,rank=8,alpha=16)"
+    )
     # point 3 keeps the base's lr, clip and rank: only the shared overrides differ
     assert block[1:] == ["    trainer.total_steps: 30 -> 20", "    eval.every: 5 -> 10"]
     block = text.split("[4] ")[1].split("[5] ")[0].splitlines()
-    assert block[1:] == ["    trainer.total_steps: 30 -> 20", "    trainer.lr: 0.0003 -> 0.0001",
-                         "    lora.rank: 8 -> 16", "    lora.alpha: 16.0 -> 32.0",
-                         "    algorithm.clip_ratio_high: 0.28 -> 0.2", "    eval.every: 5 -> 10"]
+    assert block[1:] == [
+        "    trainer.total_steps: 30 -> 20",
+        "    trainer.lr: 0.0003 -> 0.0001",
+        "    lora.rank: 8 -> 16",
+        "    lora.alpha: 16.0 -> 32.0",
+        "    algorithm.clip_ratio_high: 0.28 -> 0.2",
+        "    eval.every: 5 -> 10",
+    ]
 
 
 def _metrics(run: Path, records: list[dict]) -> None:
@@ -157,13 +211,24 @@ def _metrics(run: Path, records: list[dict]) -> None:
 
 def test_final_metrics_table(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    _metrics(a, [{"step": 1, "reward/mean": 0.1, "val-core/arith/acc/mean@8": 0.25},
-                 {"step": 2, "reward/mean": 0.5, "rollout_corr/k3_kl": 0.0001}])
+    _metrics(
+        a,
+        [
+            {"step": 1, "reward/mean": 0.1, "val-core/arith/acc/mean@8": 0.25},
+            {"step": 2, "reward/mean": 0.5, "rollout_corr/k3_kl": 0.0001},
+        ],
+    )
     _metrics(b, [{"step": 1, "reward/mean": 0.3}])
     table = S.final_metrics_table([a, b, c], status={str(a): "ok", str(b): "ok", str(c): "FAILED (exit 1)"})
     rows = [line.split() for line in table.splitlines()]
-    assert rows[0] == ["run", "step", "reward/mean", "rollout_corr/k3_kl", "val-core/arith/acc/mean@8",
-                       "status"]
+    assert rows[0] == [
+        "run",
+        "step",
+        "reward/mean",
+        "rollout_corr/k3_kl",
+        "val-core/arith/acc/mean@8",
+        "status",
+    ]
     assert rows[2] == [str(a), "2", "0.5", "0.0001", "0.25", "ok"]  # eval value from step 1 kept
     assert rows[3] == [str(b), "1", "0.3", "-", "-", "ok"]
     assert rows[4] == [str(c), "-", "-", "-", "-", "FAILED", "(exit", "1)"]
@@ -188,9 +253,12 @@ def test_local_sweep_runs_each_point_and_prints_table(tmp_path, monkeypatch, cap
     fake = tmp_path / "fake_python"
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    sweep_file = _write(tmp_path, f"base: {ROOT / 'recipes' / 'demo_cpu.yaml'}\nname: loc\n"
-                        "overrides: {trainer.total_steps: 2}\n"
-                        "grid: {trainer.lr: [1.0e-4, 3.0e-4], algorithm.clip_ratio_high: [0.2, 0.28]}\n")
+    sweep_file = _write(
+        tmp_path,
+        f"base: {ROOT / 'recipes' / 'demo_cpu.yaml'}\nname: loc\n"
+        "overrides: {trainer.total_steps: 2}\n"
+        "grid: {trainer.lr: [1.0e-4, 3.0e-4], algorithm.clip_ratio_high: [0.2, 0.28]}\n",
+    )
     monkeypatch.chdir(tmp_path)
     parser = argparse.ArgumentParser(prog="sparkrl")
     S.register(parser.add_subparsers(dest="command"))

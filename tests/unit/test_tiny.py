@@ -29,7 +29,9 @@ def test_tokenizer_splits_digits_and_round_trips_any_text(tokenizer):
 
 
 def test_chat_template_opens_the_assistant_turn(tokenizer):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert text == "<|user|>\nhi<|end|>\n<|assistant|>\n"
     assert tokenizer.eos_token == "<|end|>"
 
@@ -54,8 +56,12 @@ def test_moe_model_meets_the_size_floor_and_loads_in_transformers(tmp_path, monk
     assert cfg["num_local_experts"] >= 8 and cfg["num_experts_per_tok"] >= 2
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], cfg["vocab_size"])
     assert torch.isfinite(logits).all()
