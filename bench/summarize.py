@@ -22,7 +22,7 @@ import json
 import statistics
 from pathlib import Path
 
-BENCHES = ("rollout", "sync", "trainer", "kl", "grpo")
+BENCHES = ("rollout", "sync", "trainer", "kl", "grpo", "lora_experts")
 CONFIGS = ("bf16", "bf16_lora", "nvfp4_lora", "nvfp4_lora_r3")
 GOALS = {"r3_cost": 0.03, "sync_share": 0.02, "mfu": 0.30, "k3": 1e-4}
 
@@ -441,6 +441,27 @@ def grpo_section(rows: list[dict]) -> list[str]:
     )
 
 
+def lora_experts_section(rows: list[dict]) -> list[str]:
+    """bench.lora_experts: one micro-batch through the trainer's modules alone (no GRPO loss, no Ray)."""
+    body = [
+        [
+            r["model"],
+            r["path"],
+            "on" if r["activation_checkpointing"] else "off",
+            r.get("compile", "none"),
+            fmt(r["micro_batch_tokens"], "d"),
+            fmt(r["tokens_per_s"], ".0f"),
+            fmt(r["mfu_6n"], ".1%"),
+            fmt(r["mfu_4n"], ".1%"),
+            fmt(r.get("peak_allocated_gib"), ".1f"),
+            fmt(r.get("first_step_s"), ".0f"),
+        ]
+        for r in ok(rows)
+    ]
+    header = ["model", "expert LoRA", "AC", "compile", "tokens", "tok/s", "MFU 6N", "MFU 4N", "peak GiB"]
+    return table(header + ["warm-up s"], body)
+
+
 def not_run(rows: dict) -> list[str]:
     out = []
     for b, rs in rows.items():
@@ -475,6 +496,15 @@ def render(dirs: list[Path], args) -> str:
         "### Trainer",
         *trainer_section(rows["trainer"]),
         "",
+        *(
+            [
+                "### Trainer compute alone (bench.lora_experts)",
+                *lora_experts_section(rows["lora_experts"]),
+                "",
+            ]
+            if rows["lora_experts"]
+            else []
+        ),
         "### Rollout-trainer KL (k3)",
         *kl_section(rows["kl"]),
         "",
