@@ -47,9 +47,16 @@ class RolloutPool:
     to bundle `bundle_indices[i]` (default i).
     """
 
-    def __init__(self, spec: EngineSpec, num_workers: int, stage_dir: str, placement_group=None,
-                 bundle_indices: list[int] | None = None, actor_options: dict | None = None,
-                 worker_cls: type = RolloutWorker):
+    def __init__(
+        self,
+        spec: EngineSpec,
+        num_workers: int,
+        stage_dir: str,
+        placement_group=None,
+        bundle_indices: list[int] | None = None,
+        actor_options: dict | None = None,
+        worker_cls: type = RolloutWorker,
+    ):
         if num_workers < 1:
             raise ValueError(f"RolloutPool: num_workers must be >= 1, got {num_workers}")
         self.spec, self.num_workers, self.stage_dir = spec, num_workers, str(stage_dir)
@@ -77,7 +84,8 @@ class RolloutPool:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=self._placement_group, placement_group_bundle_index=self._bundles[i])
+                placement_group=self._placement_group, placement_group_bundle_index=self._bundles[i]
+            )
         return self._remote_cls.options(**options).remote(self.spec, self.stage_dir)
 
     def _recreate(self, i: int, cause: BaseException) -> None:
@@ -101,8 +109,11 @@ class RolloutPool:
 
     def _call(self, method: str, per_worker_args: list[tuple | None]) -> list[Any]:
         """Call `method` on every worker with its args (None: skip it); recover each dead worker once."""
-        refs = {i: getattr(w, method).remote(*args)
-                for i, (w, args) in enumerate(zip(self.workers, per_worker_args)) if args is not None}
+        refs = {
+            i: getattr(w, method).remote(*args)
+            for i, (w, args) in enumerate(zip(self.workers, per_worker_args))
+            if args is not None
+        }
         results: dict[int, Any] = {}
         for i, ref in refs.items():
             try:
@@ -125,7 +136,7 @@ class RolloutPool:
         by_request: list[list | None] = [None] * len(requests)
         for share, samples in zip(shares, self._call("generate", args)):
             for k, i in enumerate(share):
-                by_request[i] = samples[k * sampling.n:(k + 1) * sampling.n]
+                by_request[i] = samples[k * sampling.n : (k + 1) * sampling.n]
         return [s for samples in by_request for s in samples]
 
     def prompt_logprobs(self, token_ids_list: list[list[int]], use_adapter: bool = True) -> list:
@@ -151,8 +162,10 @@ class RolloutPool:
 
     @staticmethod
     def _sync_metrics(per_worker: list[dict], start: float) -> dict:
-        return {"perf/sync_bytes": sum(m["perf/sync_bytes"] for m in per_worker),
-                "perf/sync_s": time.perf_counter() - start}
+        return {
+            "perf/sync_bytes": sum(m["perf/sync_bytes"] for m in per_worker),
+            "perf/sync_s": time.perf_counter() - start,
+        }
 
     def sleep(self, level: int = 1) -> None:
         self._call("sleep", [(level,)] * self.num_workers)

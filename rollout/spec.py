@@ -39,7 +39,9 @@ class EngineSpec:
         if not self.model_path:
             raise ValueError("EngineSpec.model_path is empty")
         if self.moe_backend not in MOE_BACKENDS:
-            raise ValueError(f"EngineSpec.moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")
+            raise ValueError(
+                f"EngineSpec.moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"EngineSpec.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_lora_rank < 1:

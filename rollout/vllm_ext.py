@@ -34,8 +34,10 @@ class SparkWorkerExtension:
 
         model = self.model_runner.get_model()
         cpu_experts = _cpu_expert_layers(model)
-        before = {name: (layer.w13_weight.data.clone(), layer.w2_weight.data.clone())
-                  for name, layer in cpu_experts.items()}
+        before = {
+            name: (layer.w13_weight.data.clone(), layer.w2_weight.data.clone())
+            for name, layer in cpu_experts.items()
+        }
         self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
         for name, layer in cpu_experts.items():
             w13, w2 = before[name]

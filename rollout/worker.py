@@ -61,8 +61,14 @@ def read_model_info(model_path: str, trust_remote_code: bool = False) -> ModelIn
 
     cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     text = getattr(cfg, "text_config", None) or cfg
-    experts = next((getattr(text, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if getattr(text, k, None)), 0)
+    experts = next(
+        (
+            getattr(text, k)
+            for k in ("num_experts", "num_local_experts", "n_routed_experts")
+            if getattr(text, k, None)
+        ),
+        0,
+    )
     quant = getattr(cfg, "quantization_config", None) or getattr(text, "quantization_config", None)
     return ModelInfo(
         num_layers=text.num_hidden_layers,
@@ -156,8 +162,10 @@ def check_routed_experts(routed: np.ndarray, rows: int, top_k: int, num_experts:
 def sampled_logprobs(token_ids, logprobs, where: str) -> np.ndarray:
     """The sampled token's log-prob at each position (vLLM always includes it, top-1 or not)."""
     if logprobs is None or len(logprobs) != len(token_ids):
-        raise RuntimeError(f"{where}: vLLM returned {0 if logprobs is None else len(logprobs)} log-prob "
-                           f"entries for {len(token_ids)} tokens")
+        raise RuntimeError(
+            f"{where}: vLLM returned {0 if logprobs is None else len(logprobs)} log-prob "
+            f"entries for {len(token_ids)} tokens"
+        )
     out = np.empty(len(token_ids), dtype=np.float32)
     for i, (tok, entry) in enumerate(zip(token_ids, logprobs)):
         if entry is None or tok not in entry:
@@ -220,20 +228,24 @@ class RolloutWorker:
                     if comp.routed_experts is None:
                         raise RoutedExpertsError(f"{where}: R3 is on but vLLM returned no routed_experts")
                     routed = check_routed_experts(
-                        comp.routed_experts, len(req.prompt_ids) + len(response) - 1, self.info.top_k,
+                        comp.routed_experts,
+                        len(req.prompt_ids) + len(response) - 1,
+                        self.info.top_k,
                         self.info.num_experts,
                     )
-                samples.append(Sample(
-                    prompt_ids=list(req.prompt_ids),
-                    response_ids=response,
-                    response_logprobs=sampled_logprobs(response, comp.logprobs, where),
-                    finish_reason=str(comp.finish_reason),
-                    adapter_version=self.version,
-                    group=req.group,
-                    data_source=req.data_source,
-                    ground_truth=req.ground_truth,
-                    routed_experts=routed,
-                ))
+                samples.append(
+                    Sample(
+                        prompt_ids=list(req.prompt_ids),
+                        response_ids=response,
+                        response_logprobs=sampled_logprobs(response, comp.logprobs, where),
+                        finish_reason=str(comp.finish_reason),
+                        adapter_version=self.version,
+                        group=req.group,
+                        data_source=req.data_source,
+                        ground_truth=req.ground_truth,
+                        routed_experts=routed,
+                    )
+                )
         return samples
 
     def prompt_logprobs(self, token_ids_list: list[list[int]], use_adapter: bool = True) -> list[np.ndarray]:
@@ -247,8 +259,9 @@ class RolloutWorker:
         self._check_awake("prompt_logprobs")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in token_ids_list]
-        outputs = self.llm.generate(prompts, params, lora_request=self._lora if use_adapter else None,
-                                    use_tqdm=False)
+        outputs = self.llm.generate(
+            prompts, params, lora_request=self._lora if use_adapter else None, use_tqdm=False
+        )
         result = []
         for ids, out in zip(token_ids_list, outputs):
             result.append(sampled_logprobs(list(ids)[1:], list(out.prompt_logprobs)[1:], "prompt_logprobs"))
@@ -262,8 +275,10 @@ class RolloutWorker:
 
         start = time.perf_counter()
         if not self.spec.enable_lora:
-            raise RuntimeError("load_adapter: this engine has EngineSpec.enable_lora=False (merged sync mode); "
-                               "use load_merged_weights")
+            raise RuntimeError(
+                "load_adapter: this engine has EngineSpec.enable_lora=False (merged sync mode); "
+                "use load_merged_weights"
+            )
         self._check_awake("load_adapter")
         if isinstance(adapter, (str, Path)):
             tensors, saved_config = read_peft_dir(adapter)
@@ -274,8 +289,10 @@ class RolloutWorker:
             tensors = adapter
         tensors, config = peft_to_vllm(tensors, peft_config)
         if config["r"] > self.spec.max_lora_rank:
-            raise ValueError(f"load_adapter: adapter rank {config['r']} > EngineSpec.max_lora_rank "
-                             f"{self.spec.max_lora_rank}")
+            raise ValueError(
+                f"load_adapter: adapter rank {config['r']} > EngineSpec.max_lora_rank "
+                f"{self.spec.max_lora_rank}"
+            )
 
         def write(d: Path):
             save_file(tensors, str(d / ADAPTER_WEIGHTS))
@@ -305,18 +322,24 @@ class RolloutWorker:
 
         start = time.perf_counter()
         if self.spec.enable_lora:
-            raise RuntimeError("load_merged_weights: this engine has EngineSpec.enable_lora=True (adapter "
-                               "sync mode); use load_adapter")
+            raise RuntimeError(
+                "load_merged_weights: this engine has EngineSpec.enable_lora=True (adapter "
+                "sync mode); use load_adapter"
+            )
         if self.info.quantization:
-            raise RuntimeError(f"load_merged_weights: the rollout checkpoint is quantized "
-                               f"({self.info.quantization}); merged sync needs unquantized weights")
+            raise RuntimeError(
+                f"load_merged_weights: the rollout checkpoint is quantized "
+                f"({self.info.quantization}); merged sync needs unquantized weights"
+            )
         self._check_awake("load_merged_weights")
         tensors = merged_to_checkpoint(named_tensors)
         base = _checkpoint_index(self.spec.model_path)
         unknown = sorted(set(tensors) - set(base))
         if unknown:
-            raise KeyError(f"load_merged_weights: {len(unknown)} names are not in the checkpoint "
-                           f"{self.spec.model_path}, e.g. {unknown[:3]}")
+            raise KeyError(
+                f"load_merged_weights: {len(unknown)} names are not in the checkpoint "
+                f"{self.spec.model_path}, e.g. {unknown[:3]}"
+            )
         # vLLM processes a fused layer once all its parts arrived; send the untouched parts of every
         # block the update touches (rollout.adapter_layout.sibling_prefix).
         blocks = {sibling_prefix(n) for n in tensors}
@@ -327,8 +350,12 @@ class RolloutWorker:
                     if base[n] == file:
                         tensors[n] = f.get_tensor(n)
         name = f"merged-v{version}"
-        path = self.stage.stage(name, lambda d: save_file(
-            {k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors")))
+        path = self.stage.stage(
+            name,
+            lambda d: save_file(
+                {k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors")
+            ),
+        )
         counts = self.llm.collective_rpc("sparkrl_reload_weights", args=([str(path / "model.safetensors")],))
         if any(c != len(tensors) for c in counts):
             raise RuntimeError(f"load_merged_weights: workers loaded {counts} of {len(tensors)} tensors")

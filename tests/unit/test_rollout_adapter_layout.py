@@ -123,9 +123,10 @@ def test_split_fused_lora_indexing():
     rank, experts = 2, 3
     a = torch.arange(rank * experts, dtype=torch.float32)[:, None].repeat(1, 5)  # row id in every column
     b = torch.arange(rank * experts, dtype=torch.float32)[None, :].repeat(7, 1)  # column id in every row
-    parts = split_fused_lora(a, b, rank)
-    assert [p[0][:, 0].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
-    assert [p[1][0].tolist() for p in parts] == [[0, 3], [1, 4], [2, 5]]
+    a3, b3 = split_fused_lora(a, b, rank)
+    assert a3.shape == (3, 2, 5) and b3.shape == (3, 7, 2) and a3.is_contiguous() and b3.is_contiguous()
+    assert [a3[e][:, 0].tolist() for e in range(experts)] == [[0, 1], [2, 3], [4, 5]]
+    assert [b3[e][0].tolist() for e in range(experts)] == [[0, 3], [1, 4], [2, 5]]
 
 
 def test_in_memory_adapter_names_and_numpy_are_accepted(moe_both):
