@@ -38,7 +38,8 @@ DEFAULTS = {
     "max_num_seqs": (256, 16),
     "max_model_len": (2048, 256),
     "sync_repeats": (3, 1),
-    "kl_prompts": (64, 4),
+    # ~37k response tokens on the GPU: routing flips are rare, and 4.7k tokens left R3 on/off within noise
+    "kl_prompts": (512, 4),
     "kl_n": (4, 2),
     "kl_max_tokens": (64, 12),
     "train_samples": (32, 2),
