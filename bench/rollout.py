@@ -7,7 +7,8 @@ the outputs (log-prob extraction, and with R3 the routed-experts check), since t
 costs a real rollout. Before timing, every batch size runs once with a few tokens, so that kernel
 compilation and autotuning at new shapes (Triton MoE / LoRA kernels) stay out of the timed runs; then each
 batch size is timed REPEATS times on fresh prompts and the median is the figure (single runs differed by
-up to 4x at small batches on the H200, which made a 3 % R3 budget unreadable).
+up to 4x at small batches on the H200, and three repeats still by 2.5x, which made a 3 % R3 budget
+unreadable).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from bench.common import log
 
 WARMUP_TOKENS = 4
-REPEATS = 3
+REPEATS = 5
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
