@@ -89,10 +89,10 @@ def grouped_lora_experts_forward(
     num_tokens, k = top_k_index.shape
     expert_ids, order = torch.sort(top_k_index.reshape(-1))
     x = hidden_states[order // k]  # [T * k, H], grouped by expert
-    # Tokens per expert by a scatter-add into a fixed-size vector: exact on integers, and a static shape
-    # (bincount's output length depends on the data, which breaks a torch.compile graph in every layer).
-    counts = torch.zeros(experts.num_experts, dtype=torch.int32, device=expert_ids.device)
-    counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids, dtype=torch.int32))
+    # bincount's data-dependent output shape breaks a torch.compile graph here. A fixed-size scatter-add
+    # would not, but then inductor picks the layout of the [E, out, r] B factors inside the graph and hands
+    # grouped_mm strides it rejects (seen on CPU); the break keeps them as materialised inputs.
+    counts = torch.bincount(expert_ids, minlength=experts.num_experts)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
 
     h = _lora_linear(x, experts.gate_up_proj, offsets, factors.get("gate_up_proj"))

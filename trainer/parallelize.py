@@ -1,11 +1,10 @@
 """How the model is laid over the ranks: torch.compile per decoder layer, activation checkpointing around
 it, then FSDP2 per decoder layer, then the root. Mixed precision is stated once, in `parallelize`.
 
-Compile comes before checkpointing (torchtitan compiles the checkpointed block instead): any graph break
-inside a checkpointed region (PEFT's wrappers, the routing-replay hooks and the expert function must all
-trace) sends the whole region back to eager, while a compiled layer inside an eager checkpoint keeps its
-fused kernels in both the forward and the recomputation (bench/lora_experts.py measured both orders on
-the H200: docs/benchmarks.md)."""
+Compile comes before checkpointing (torchtitan compiles the checkpointed block instead): the expert
+function breaks the graph once per layer (trainer/lora_experts.py), and a graph break inside a checkpointed
+region sends the whole region back to eager; a compiled layer inside an eager checkpoint keeps its fused kernels in both the
+forward and the recomputation (bench/lora_experts.py measured it on the H200: docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -89,23 +89,3 @@ def test_ranks_the_grouped_kernel_cannot_take_keep_peft():
     model = apply_lora(base, LoraSpec(rank=4, alpha=8.0), seed=0)
     wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
     assert wrappers and not any(isinstance(m, GroupedLoraExperts) for m in wrappers)
-
-
-def test_grouped_forward_traces_as_one_graph():
-    """The trainer compiles each layer: a data-dependent shape in the expert function (bincount did) would
-    break the graph in every MoE layer. dynamo's explain on the real function, bf16 on CPU."""
-    from transformers import AutoModelForCausalLM
-
-    from trainer.lora_experts import _factors, _wrapper_chain, grouped_lora_experts_forward
-
-    base = AutoModelForCausalLM.from_pretrained(make_tiny("qwen3_moe"), dtype=torch.bfloat16)
-    model = apply_lora(base, SPEC, seed=0)
-    outer = next(m for m in model.modules() if isinstance(m, GroupedLoraExperts))
-    chain, experts = _wrapper_chain(outer)
-    factors = {w.parameter_name: _factors(w, "default", torch.bfloat16) for w in chain}
-    x = torch.randn(10, experts.gate_up_proj.shape[-1], dtype=torch.bfloat16)
-    ids = torch.randint(0, 8, (10, 2))
-    weights = torch.rand(10, 2, dtype=torch.bfloat16)
-    explained = torch._dynamo.explain(grouped_lora_experts_forward)(experts, factors, x, ids, weights)
-    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
-    assert explained.graph_count == 1
