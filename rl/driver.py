@@ -75,6 +75,8 @@ class Run:
     def train(self) -> dict:
         start = time.perf_counter()
         self._install_signal_handlers()
+        if notice := compile_notice(self.cfg):
+            self.log.event(notice)
         try:
             if self.cfg.eval.at_start and self.step == 0 and self._has_eval():
                 self.log.log(0, self.evaluate(0))
@@ -403,3 +405,14 @@ def train(cfg: SparkConfig, resume: bool = False) -> dict:
         return run.train()
     finally:
         run.close()
+
+
+def compile_notice(cfg) -> str | None:
+    """The first training step of a compiled GPU trainer runs minutes longer (trainer/parallelize.py): say so
+    before it starts, so that a quiet first step does not read as a hang."""
+    if cfg.trainer.compile and cfg.resources.num_gpus > 0:
+        return (
+            "trainer: the first step compiles each decoder layer (torch.compile; a few minutes, once per "
+            "trainer start); trainer.compile=false skips it"
+        )
+    return None

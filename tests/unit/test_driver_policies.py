@@ -100,3 +100,18 @@ def test_a_non_finite_update_is_skipped_counted_and_three_in_a_row_abort():
         StopRun, match=r"3 updates in a row had a non-finite loss .*trainer.max_skipped_steps=3"
     ):
         run._count_skips(5, {"actor/skipped_step": 1.0})
+
+
+def test_compiled_gpu_trainer_announces_its_long_first_step():
+    from rl.driver import compile_notice
+
+    assert compile_notice(_cfg()) is None  # CPU: the worker does not compile
+    gpus = [
+        "resources.num_gpus=2",
+        "trainer.num_ranks=2",
+        "rollout.num_workers=2",
+        "rollout.placement=colocated",
+    ]
+    assert compile_notice(_cfg(*gpus, "trainer.compile=false")) is None
+    notice = compile_notice(_cfg(*gpus))
+    assert notice and "first step compiles" in notice and "trainer.compile=false" in notice
