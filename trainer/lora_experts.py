@@ -107,6 +107,14 @@ def grouped_lora_experts_forward(
 
 
 _forward = grouped_lora_experts_forward
+# CPU: PEFT's forward unless a test asks (torch's CPU grouped_mm is a reference loop, and a trainer rank died
+# of heap corruption in one of three CI runs of the CPU demo once it ran there).
+_ON_CPU = False
+
+
+def allow_on_cpu(enabled: bool = True) -> None:
+    global _ON_CPU
+    _ON_CPU = enabled
 
 
 def compile_experts(enabled: bool = True) -> None:
@@ -128,7 +136,16 @@ class GroupedLoraExperts(ParamWrapper):
         dtype = experts.gate_up_proj.dtype
         # torch.compile traces grouped_mm for bf16 only (its meta function rejects other dtypes)
         traced_other = torch.compiler.is_compiling() and dtype != torch.bfloat16
-        if self.disable_adapters or self.merged or len(adapters) != 1 or args or kwargs or traced_other:
+        off_gpu = not hidden_states.is_cuda and not _ON_CPU
+        if (
+            self.disable_adapters
+            or self.merged
+            or len(adapters) != 1
+            or args
+            or kwargs
+            or traced_other
+            or off_gpu
+        ):
             return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         factors = {w.parameter_name: _factors(w, adapters[0], dtype) for w in chain}
         return _forward(experts, factors, hidden_states, top_k_index, top_k_weights)

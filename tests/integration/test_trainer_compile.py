@@ -21,6 +21,15 @@ from trainer.routing_replay import RoutingReplay
 from trainer.spec import LoraSpec
 
 
+@pytest.fixture(autouse=True)
+def grouped_on_cpu():
+    from trainer.lora_experts import allow_on_cpu
+
+    allow_on_cpu(True)  # the trainer keeps PEFT's expert forward on CPU; the compiled GPU path is grouped
+    yield
+    allow_on_cpu(False)
+
+
 @pytest.fixture(scope="module")
 def mesh():
     if dist.is_initialized():

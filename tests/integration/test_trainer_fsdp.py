@@ -30,7 +30,7 @@ def make_spec() -> TrainerSpec:
     return TrainerSpec(
         model_path=str(make_tiny("qwen3_moe")),
         dtype="float32",  # exact comparisons on CPU; bf16 compute is the GPU default
-        # rank 8: the expert LoRA takes the grouped path (trainer/lora_experts.py; rank 4 would keep PEFT's)
+        # rank 8: a rank the grouped expert path (trainer/lora_experts.py, GPU only) would take
         lora=LoraSpec(rank=8, alpha=16.0, init_lora_weights=False),
         optim=OPTIM,
         algo=ALGO,

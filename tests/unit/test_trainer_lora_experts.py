@@ -9,11 +9,19 @@ from peft.tuners.lora.layer import ParamWrapper
 
 from rl.models.tiny import make_tiny
 from trainer.lora import apply_lora
-from trainer.lora_experts import GroupedLoraExperts
+from trainer.lora_experts import GroupedLoraExperts, allow_on_cpu
 from trainer.routing_replay import RoutingReplay
 from trainer.spec import LoraSpec
 
 SPEC = LoraSpec(rank=8, alpha=16.0, attention=True, experts=True, latent=True)
+
+
+@pytest.fixture(autouse=True)
+def grouped_on_cpu():
+    """The trainer keeps PEFT's forward on CPU; these tests run the grouped one there on purpose."""
+    allow_on_cpu(True)
+    yield
+    allow_on_cpu(False)
 
 
 def _pair(arch: str, spec: LoraSpec = SPEC):
