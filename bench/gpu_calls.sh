@@ -5,7 +5,11 @@
 #
 #   bash bench/gpu_calls.sh install tests      # vLLM kit, then the gpu-marked tests of issues 5 and 9
 #   bash bench/gpu_calls.sh r3                 # Muse: NVFP4+LoRA with and without R3: rollout, KL
+#   bash bench/gpu_calls.sh r3pair             # the same, the two engines' rollout run in alternation
+#   bash bench/gpu_calls.sh r3stream           # NVFP4+LoRA against R3 as vLLM streams it, in alternation
 #   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse (trainer_qwen: Qwen3-MoE)
+#   bash bench/gpu_calls.sh trainer32          # the same at 32k-token micro-batches: memory budget 0.5, AC on
+#   bash bench/gpu_calls.sh trainer32off       # ... AC off, memory budget 0.25
 #   bash bench/gpu_calls.sh lora_experts       # the trainer's compute alone (bench/lora_experts.py), no kit
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
 #   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows; the 20-step GRPO run
@@ -13,6 +17,11 @@
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
 # `python -m bench.summarize $OUT/*` merges them.
+#
+# On the two-GPU machine two calls can run side by side, each on its own GPU and model folder (two
+# processes building the same model folder at once would collide):
+#   CUDA_VISIBLE_DEVICES=0 bash bench/gpu_calls.sh r3pair & CUDA_VISIBLE_DEVICES=1 BENCH_ROOT=/tmp/sb1 \
+#     bash bench/gpu_calls.sh trainer & wait
 set -uo pipefail
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT0="${OUT:-./bench_out}"
@@ -20,7 +29,8 @@ bench() {  # bench NAME ARGS...: one bench.run_all process writing $OUT0/NAME
   local name=$1
   shift
   mkdir -p "$OUT0/$name"
-  OUT="$OUT0/$name" python3 -m bench.run_all "$@" >"$OUT0/$name/stdout.txt" 2>&1
+  OUT="$OUT0/$name" python3 -m bench.run_all --root "${BENCH_ROOT:-/tmp/sparkrl_bench}" "$@" \
+    >"$OUT0/$name/stdout.txt" 2>&1
   echo "== $name rc=$?"
   grep -E '^\[' "$OUT0/$name/log.txt" | tail -40
 }
@@ -45,9 +55,26 @@ for call in "$@"; do
     bench muse_nvfp4_lora_r3 --models muse --only build,rollout,kl --engines nvfp4_lora_r3 --budget-s 300
     bench muse_nvfp4_lora --models muse --only rollout --engines nvfp4_lora --budget-s 170
     ;;
+  r3pair)
+    bench muse_r3pair --models muse --only build,rollout,kl --engines nvfp4_lora,nvfp4_lora_r3 \
+      --rollout-pair nvfp4_lora,nvfp4_lora_r3 --budget-s 470
+    ;;
+  r3stream)
+    bench muse_r3stream --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3_stream \
+      --rollout-pair nvfp4_lora,nvfp4_lora_r3_stream --budget-s 330
+    ;;
   trainer)
     # compiled trainer (its GPU default): the first step compiles for about two minutes
     bench muse_trainer --models muse --only build,trainer --train-micro-tokens 16384 --train-ac on,off --budget-s 480
+    ;;
+  trainer32)
+    # 32k-token micro-batches: the partitioner's memory budget first (new), then whole-layer AC
+    bench muse_trainer32 --models muse --only build,trainer --train-micro-tokens 32768 --train-ac 0.5,on \
+      --budget-s 470
+    ;;
+  trainer32off)
+    bench muse_trainer32off --models muse --only build,trainer --train-micro-tokens 32768 --train-ac off,0.25 \
+      --budget-s 470
     ;;
   trainer_qwen)
     bench qwen3_moe_trainer --models qwen3_moe --only build,trainer --train-micro-tokens 16384 --budget-s 480

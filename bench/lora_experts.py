@@ -1,16 +1,18 @@
 """The trainer's compute without the rest of the system: expert LoRA by PEFT vs grouped (trainer/lora_experts.py).
 
-    python -m bench.lora_experts [--models muse,qwen3_moe] [--paths peft,grouped] [--ac on,off]
-                                 [--micro-tokens 16384] [--seq-len 1024] [--steps 4]
+    python -m bench.lora_experts [--models muse,qwen3_moe] [--paths peft,grouped] [--ac on,off,0.5]
+                                 [--compile none,layers] [--micro-tokens 16384] [--seq-len 1024] [--steps 4]
 
-Per model, path and activation-checkpointing setting: the bench model's shape (bench/models.py) at random
-init in bf16 on one GPU, the recipe's LoRA (rank 32 on attention, all experts and Muse's latent
-projections, fp32 weights), FSDP2 and activation checkpointing exactly as the trainer lays them
-(trainer.parallelize, world size 1), R3 replay of uniform random routing, and one micro-batch of
-`--micro-tokens` tokens through forward, backward and AdamW. Rows give tokens/s, MFU (6N and 4N on active
-parameters, bench/trainer.py's convention), peak memory, and for the first step a profile (top device ops,
-device-busy share). Needs only torch, transformers and PEFT (no vLLM, Ray or verl): it runs on the GPU
-machine before the kit is installed. Results: $OUT/lora_experts.json.
+Per model, path and activation-checkpointing setting (on, off, or a number: no whole-layer checkpointing,
+the compiled layers' partitioner recomputing within that memory budget as trainer.activation_memory_budget
+does; `--compile layers` only): the bench model's shape (bench/models.py) at random init in bf16 on one
+GPU, the recipe's LoRA (rank 32 on attention, all experts and Muse's latent projections, fp32 weights),
+FSDP2 and activation checkpointing exactly as the trainer lays them (trainer.parallelize, world size 1), R3
+replay of uniform random routing, and one micro-batch of `--micro-tokens` tokens through forward, backward
+and AdamW. Rows give tokens/s, MFU (6N and 4N on active parameters, bench/trainer.py's convention), peak
+memory, and for the first step a profile (top device ops, device-busy share). Needs only torch,
+transformers and PEFT (no vLLM, Ray or verl): it runs on the GPU machine before the kit is installed.
+Results: $OUT/lora_experts.json.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from bench import models
 from bench.common import Results, env_info, log, out_dir, set_log_file
 from bench.host import _sync, matmul_rate, profile_device
+from bench.trainer import ac_fields, ac_tag, parse_ac
 
 VOCAB = 1024  # the bench models' tokenizer is ~1k (bench/models.py): the LM head is negligible
 
@@ -44,7 +47,9 @@ def _lora(model_name: str, rank: int):
     )
 
 
-def _build(model_name: str, rank: int, grouped: bool, ac: bool, compile: str, mesh, device, tiny: bool):
+def _build(
+    model_name: str, rank: int, grouped: bool, ac: bool | float, compile: str, mesh, device, tiny: bool
+):
     from transformers import AutoModelForCausalLM
 
     import rl.models.muse  # noqa: F401 - registers Muse Spark with the Auto classes
@@ -68,8 +73,8 @@ def _build(model_name: str, rank: int, grouped: bool, ac: bool, compile: str, me
         base.model.layers,
         mesh,
         compute_dtype=torch.bfloat16,
-        activation_checkpointing=ac,
         compile=compile == "layers",
+        **ac_fields(ac),
     )
     return model, replay, config
 
@@ -116,7 +121,7 @@ def run_one(model_name, path, ac, compile, args, mesh, device, rate) -> dict:
     row = {
         "model": model_name,
         "path": path,
-        "activation_checkpointing": ac,
+        **ac_fields(ac),
         "compile": compile,
         "lora_rank": args.rank,
         "micro_batch_tokens": ids.numel(),
@@ -157,7 +162,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="muse,qwen3_moe")
     p.add_argument("--paths", default="peft,grouped", help="expert LoRA forward: peft, grouped")
-    p.add_argument("--ac", default="on", help="activation checkpointing: on, off, or on,off")
+    p.add_argument(
+        "--ac",
+        default="on",
+        help="activation checkpointing: on, off, or a memory budget in (0, 1] for --compile layers "
+        "(e.g. on,off,0.5)",
+    )
     p.add_argument(
         "--compile",
         default="none",
@@ -178,7 +188,10 @@ def main(argv=None) -> None:
     paths = args.paths.split(",")
     if bad := [x for x in paths if x not in ("peft", "grouped")]:
         raise SystemExit(f"--paths: unknown {bad}; choose from peft, grouped")
-    acs = [{"on": True, "off": False}[x] for x in args.ac.split(",")]
+    try:
+        acs = parse_ac(args.ac)
+    except ValueError as e:
+        raise SystemExit(f"--ac: {e}") from None
     compiles = args.compile.split(",")
     if bad := [x for x in compiles if x not in ("none", "experts", "layers")]:
         raise SystemExit(f"--compile: unknown {bad}; choose from none, experts, layers")
@@ -213,8 +226,10 @@ def main(argv=None) -> None:
                 for path in paths:
                     if compile == "experts" and path != "grouped":
                         continue  # PEFT's path has no expert function of ours to compile
-                    what = dict(model=name, path=path, activation_checkpointing=ac, compile=compile)
-                    tag = f"{name} {path} ac={ac} compile={compile}"
+                    if not isinstance(ac, bool) and compile != "layers":
+                        continue  # a memory budget is the compiled layers' partitioner's
+                    what = dict(model=name, path=path, **ac_fields(ac), compile=compile)
+                    tag = f"{name} {path} {ac_tag(ac)} compile={compile}"
                     try:
                         row = run_one(name, path, ac, compile, args, mesh, device, rate)
                     except Exception as e:  # noqa: BLE001 - a row of its own; the other settings still run

@@ -45,6 +45,7 @@ def timed_generate(worker, prompts: list[list[int]], output_len: int, seed: int)
             ignore_eos=True,
             seed=seed + i,
             logprobs=0,
+            detokenize=False,  # as RolloutWorker.generate asks
         )
         for i in range(len(prompts))
     ]

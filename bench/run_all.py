@@ -78,6 +78,13 @@ def parse_args(argv=None):
     p.add_argument("--sync-cases", default="8:attn,8:all,32:attn,32:all", help="rank:targets,...")
     p.add_argument("--grpo-model", default="muse")
     p.add_argument(
+        "--rollout-pair",
+        default="",
+        help="BASE,OTHER: sweep these two engines' rollout in alternation, both up at once in child "
+        "processes (bench/paired.py), instead of one after the other; e.g. nvfp4_lora,nvfp4_lora_r3 for "
+        "a paired R3 cost",
+    )
+    p.add_argument(
         "--engines",
         default=",".join(engines.CONFIGS),
         help="which rollout engines to start (one engine per process is the safest on the GPU: run one "
@@ -96,10 +103,12 @@ def parse_args(argv=None):
             setattr(args, key, tiny if args.tiny else gpu)
     args.batch_sizes = [int(b) for b in str(args.batch_sizes).split(",")]
     args.train_micro_tokens = [int(t) for t in str(args.train_micro_tokens).split(",")]
+    from bench.trainer import parse_ac
+
     try:
-        args.train_ac = [{"on": True, "off": False}[a] for a in str(args.train_ac).split(",")]
-    except KeyError:
-        p.error(f"--train-ac: expected on, off or on,off, got {args.train_ac!r}")
+        args.train_ac = parse_ac(args.train_ac)  # on, off, or a number: a memory budget for compiled layers
+    except ValueError as e:
+        p.error(f"--train-ac: {e}")
     args.models = [m for m in args.models.split(",") if m]
     args.only = set(args.only.split(","))
     if args.only - set(BENCHES):
@@ -109,6 +118,9 @@ def parse_args(argv=None):
         p.error(
             f"--engines: unknown {sorted(set(args.engines) - set(engines.CONFIGS))}; choose from {', '.join(engines.CONFIGS)}"
         )
+    args.rollout_pair = [e for e in args.rollout_pair.split(",") if e]
+    if args.rollout_pair and (len(args.rollout_pair) != 2 or set(args.rollout_pair) - set(engines.CONFIGS)):
+        p.error(f"--rollout-pair: expected two of {', '.join(engines.CONFIGS)} as BASE,OTHER")
     args.sync_cases = [(int(r), t) for r, t in (c.split(":") for c in args.sync_cases.split(","))]
     if args.tiny:
         args.graphs = "eager"  # vLLM-CPU
@@ -216,6 +228,10 @@ class ModelRun:
             "bf16": w & {"rollout", "kl"},
             "bf16_lora": w & {"rollout"},
         }
+        if "rollout" in w and self.args.rollout_pair:
+            self.paired_rollout(*self.args.rollout_pair)
+            for key in self.args.rollout_pair:
+                plan[key] = plan.get(key, set()) - {"rollout"}
         for key, uses in plan.items():
             if key not in self.args.engines:
                 continue
@@ -285,6 +301,25 @@ class ModelRun:
         vocab = self.model["config"]["vocab_size"]
         for row in sweep(worker, self.args.batch_sizes, self.args.prompt_len, self.args.output_len, vocab):
             self.res["rollout"].add(**info, **row)
+
+    def paired_rollout(self, base: str, other: str) -> None:
+        from bench.paired import sweep_pair
+
+        estimate = 2 * ESTIMATE_S["engine" if _triton_cache_warm() or self.args.tiny else "engine_cold"]
+        if not self.budget.allows(estimate):
+            for key in (base, other):
+                self.res["rollout"].skip(
+                    f"budget: {self.budget.left():.0f}s left", model=self.name, config=key
+                )
+            return
+        log(f"model {self.name}: rollout of {base} and {other} in alternation")
+        need_adapter = any(engines.CONFIGS[k].lora for k in (base, other))
+        try:
+            for row in sweep_pair(base, other, self.model, self.args, self.adapter if need_adapter else None):
+                self.res["rollout"].add(model=self.name, **row)
+        except Exception as e:  # noqa: BLE001 - the rows written so far stay
+            for key in (base, other):
+                self.res["rollout"].error(e, model=self.name, config=key)
 
     def sync_rows(self, worker) -> None:
         from bench.sync import measure
@@ -390,10 +425,14 @@ class ModelRun:
         for name in list(self.trainers - {f"{self.name}/main"}):
             self.drop(name)  # alone on the GPU: peak memory is the trainer's own
         # The trainer as the recipe runs it on a GPU: compiled layers (the KL rows score with an eager
-        # trainer: one compile fewer per call), AC on and, where the budget allows, off.
+        # trainer: one compile fewer per call), AC on and, where the budget allows, off or a memory budget.
         compile = not self.args.tiny
         settings = [(ac, tokens) for ac in self.args.train_ac for tokens in self.args.train_micro_tokens]
         for i, (ac, tokens) in enumerate(settings):
+            if not isinstance(ac, bool) and not compile:
+                why = "a memory budget needs compiled layers (--tiny runs them eager)"
+                self.res["trainer"].skip(why, model=self.name, micro_batch_tokens=tokens, ac=ac)
+                continue
             if i and not self.budget.allows(ESTIMATE_S["trainer"] + ESTIMATE_S["train_bench"]):
                 self.res["trainer"].skip("budget", model=self.name, micro_batch_tokens=tokens, ac=ac)
                 continue
@@ -401,7 +440,7 @@ class ModelRun:
                 self.drop(other)  # alone on the GPU, so that the peak memory is this trainer's
             name = None
             try:
-                tag = f"bench_mb{tokens}_ac{int(ac)}"
+                tag = f"bench_mb{tokens}_{trainer.ac_tag(ac)}"
                 name = self.trainer(tag, "dq", engines.LORA_RANK, "all", ac, tokens, compile)
                 row = trainer.run(
                     self.host,

@@ -4,10 +4,12 @@
 
 Rows of same-named files in several folders are merged (e.g. one folder per remote call). The goals of
 issue 11 come first, each with its measured figure and PASS / FAIL:
-  R3 cost      1 - tok/s(NVFP4+LoRA+R3) / tok/s(NVFP4+LoRA) <= 3 %, at every batch size measured;
+  R3 cost      1 - tok/s(NVFP4+LoRA+R3) / tok/s(NVFP4+LoRA) <= 3 %, at every batch size measured (where the
+               engines ran in alternation, `--rollout-pair`, the paired figure of bench/paired.py);
   sync share   adapter sync / step time <= 2 %: in the GRPO run (perf/sync_s / perf/step_s, medians) and,
                for the recipe's step, the isolated sync (rank 32, all experts) over a modelled step (below);
-  trainer MFU  6 N T / s / measured bf16 matmul rate >= 30 %;
+  trainer MFU  6 N T / s / measured bf16 matmul rate >= 30 %, at the recipe's activation checkpointing
+               (`--recipe-ac`: on, off or a memory budget; on, as the recipes have it, by default);
   KL           k3 with R3 <= 1e-4 and below k3 without R3; GRPO per-step k3 <= 1e-4 (mean and max).
 Modelled step: the recipe's 32 prompts x 8 samples, each `--ref-prompt-len` + `--ref-response-len`
 tokens; rollout at the batch-256 decode rate of NVFP4+LoRA+R3 (optimistic: decode slows with context,
@@ -60,6 +62,33 @@ def verdict(passed: bool | None) -> str:
     return "—" if passed is None else ("PASS" if passed else "FAIL")
 
 
+def ac_label(r: dict) -> str:
+    """A trainer row's activation checkpointing: on, off, or `budget B` (compiled layers whose partitioner
+    recomputes within memory budget B instead of whole-layer checkpointing). Older rows have no budget,
+    the oldest no flag either (on)."""
+    budget = r.get("activation_memory_budget") or 0
+    if budget:
+        return f"budget {budget:g}"
+    return "on" if r.get("activation_checkpointing", True) else "off"
+
+
+def ac_setting(text: str) -> str:
+    """--recipe-ac (on, off or a budget) as ac_label writes it."""
+    if text in ("on", "off"):
+        return text
+    try:
+        budget = float(text)
+    except ValueError:
+        budget = -1.0
+    if not 0 < budget <= 1:
+        raise argparse.ArgumentTypeError(f"expected on, off or a memory budget in (0, 1], got {text!r}")
+    return f"budget {budget:g}"
+
+
+def recipe_ac(args) -> str:
+    return getattr(args, "recipe_ac", "on")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Derived figures.
 
@@ -74,10 +103,19 @@ def ratios(rows: list[dict], model: str) -> dict[str, dict[int, float]]:
     def rel(a, b, f):
         return {k: f(t[a][k], t[b][k]) for k in t[a] if k in t[b]}
 
+    # Where the two engines ran in alternation (bench/paired.py), the paired figure from the same prompts.
+    paired = {
+        r["batch"]: r["paired_cost"]
+        for r in ok(rows)
+        if r["model"] == model
+        and r["config"] == "nvfp4_lora_r3"
+        and r.get("paired_with") == "nvfp4_lora"
+        and "paired_cost" in r
+    }
     return {
         "lora_overhead": rel("bf16_lora", "bf16", lambda x, y: 1 - x / y),
         "nvfp4_gain": rel("nvfp4_lora", "bf16_lora", lambda x, y: x / y),
-        "r3_cost": rel("nvfp4_lora_r3", "nvfp4_lora", lambda x, y: 1 - x / y),
+        "r3_cost": {**rel("nvfp4_lora_r3", "nvfp4_lora", lambda x, y: 1 - x / y), **paired},
     }
 
 
@@ -89,7 +127,7 @@ def modelled_step(rows: dict, model: str, args) -> float | None:
     seqs = args.ref_prompts * args.ref_n
     rollout_s = seqs * args.ref_response_len / roll[max(roll)]
     tokens = seqs * (args.ref_prompt_len + args.ref_response_len)
-    recipe = [r for r in tr if r.get("activation_checkpointing", True)] or tr  # the recipe's setting
+    recipe = [r for r in tr if ac_label(r) == recipe_ac(args)] or tr  # the recipe's setting
     best = max(recipe, key=lambda r: r["train_tokens_per_s"])
     return rollout_s + tokens / best["log_probs_tokens_per_s"] + tokens / best["train_tokens_per_s"]
 
@@ -221,20 +259,22 @@ def goals(rows: dict, models: list[str], args) -> list[str]:
                 ]
             )
         trained = [r for r in ok(rows["trainer"]) if r["model"] == m]
-        # The recipe's setting (activation checkpointing on) is held to the goal, at the best micro-batch
-        # size of the sweep (what a recipe would pick); the best AC-off row is quoted beside it.
-        recipe = [r for r in trained if r.get("activation_checkpointing", True)]
+        # The recipe's setting (activation checkpointing on, unless --recipe-ac says otherwise) is held to
+        # the goal, at the best micro-batch size of the sweep (what a recipe would pick); the best row of
+        # each other setting is quoted beside it.
+        ac = recipe_ac(args)
+        recipe = [r for r in trained if ac_label(r) == ac]
         if recipe:
             r = max(recipe, key=lambda r: r["mfu_6n"])
-            no_ac = [x for x in trained if not x.get("activation_checkpointing", True)]
-            extra = ""
-            if no_ac:
-                best = max(no_ac, key=lambda x: x["mfu_6n"])
-                extra = f"; AC off: {best['mfu_6n']:.1%}"
+            others: dict[str, float] = {}
+            for x in trained:
+                if ac_label(x) != ac:
+                    others[ac_label(x)] = max(others.get(ac_label(x), 0.0), x["mfu_6n"])
+            extra = "".join(f"; AC {label}: {mfu:.1%}" for label, mfu in sorted(others.items()))
             body.append(
                 [
                     m,
-                    "trainer MFU (6N) >= 30 % (AC on)",
+                    f"trainer MFU (6N) >= 30 % (AC {ac})",
                     f"{r['mfu_6n']:.1%} (4N: {r['mfu_4n']:.1%}; micro-batch {r.get('micro_batch_tokens')} tokens"
                     f"{extra})",
                     verdict(r["mfu_6n"] >= GOALS["mfu"]),
@@ -298,7 +338,36 @@ def rollout_section(rows: list[dict], models: list[str]) -> list[str]:
             "",
         ]
         out += table(["batch", *CONFIGS, "LoRA overhead", "NVFP4 gain (x)", "R3 cost"], body) + [""]
+        out += paired_table(rows, m)
     return out
+
+
+def paired_table(rows: list[dict], model: str) -> list[str]:
+    """Every pair of engines run in alternation (bench/paired.py), whatever the configurations."""
+    paired = [r for r in ok(rows) if r["model"] == model and "paired_cost" in r]
+    if not paired:
+        return []
+    base = {(r["config"], r["batch"]): r for r in ok(rows) if r["model"] == model}
+    body = []
+    for r in sorted(paired, key=lambda r: (r["config"], r["batch"])):
+        b = base.get((r["paired_with"], r["batch"]), {})
+        body.append(
+            [
+                r["paired_with"],
+                r["config"],
+                r["batch"],
+                fmt(b.get("tokens_per_s"), ".0f"),
+                fmt(r["tokens_per_s"], ".0f"),
+                fmt(r["paired_cost"], ".1%"),
+                ", ".join(f"{x:.1%}" for x in r.get("paired_costs_all", [])),
+            ]
+        )
+    return [
+        "Run in alternation (same prompts and seeds, order alternating; cost from the per-pair ratios):",
+        "",
+        *table(["base", "other", "batch", "base tok/s", "other tok/s", "cost", "per pair"], body),
+        "",
+    ]
 
 
 def sync_section(rows: list[dict], shares: dict[str, float | None]) -> list[str]:
@@ -344,7 +413,7 @@ def trainer_section(rows: list[dict]) -> list[str]:
             r["model"],
             f"{r['samples']} x {r['seq_len']}",
             fmt(r.get("micro_batch_tokens"), "d"),
-            "on" if r.get("activation_checkpointing", True) else "off",
+            ac_label(r),
             "on" if r.get("compile") else "off",
             fmt(r["train_tokens_per_s"], ".0f"),
             fmt(r["mfu_6n"], ".1%"),
@@ -447,7 +516,7 @@ def lora_experts_section(rows: list[dict]) -> list[str]:
         [
             r["model"],
             r["path"],
-            "on" if r["activation_checkpointing"] else "off",
+            ac_label(r),
             r.get("compile", "none"),
             fmt(r["micro_batch_tokens"], "d"),
             fmt(r["tokens_per_s"], ".0f"),
@@ -525,6 +594,13 @@ def main(argv=None) -> int:
     p.add_argument("--ref-n", type=int, default=8)
     p.add_argument("--ref-prompt-len", type=int, default=256)
     p.add_argument("--ref-response-len", type=int, default=2048)
+    p.add_argument(
+        "--recipe-ac",
+        type=ac_setting,
+        default="on",
+        help="the recipe's activation checkpointing, held to the MFU goal: on, off, or a memory budget "
+        "(trainer.activation_memory_budget, e.g. 0.5)",
+    )
     args = p.parse_args(argv)
     print(render(args.dirs, args))
     return 0

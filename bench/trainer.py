@@ -4,8 +4,10 @@ One fixed batch of `samples` sequences of `seq_len` random tokens (the last `seq
 response), with R3 replay of random top-k routing (uniform expert load), through TrainerWorker.log_probs
 (forward) and TrainerWorker.train_step (forward + backward + AdamW on the LoRA weights), with the recipe's
 LoRA (rank 32, attention + experts (+ Muse latent)), torch.compile per layer (the trainer's GPU default;
-the first steps compile), activation checkpointing on and off (`--train-ac`) and micro-batches of
-`--train-micro-tokens` tokens (a sweep: one row each; the first row also profiles one step).
+the first steps compile), activation checkpointing on, off or a memory budget (`--train-ac on,off,0.5`: a
+number is trainer.activation_memory_budget, the compiler's recomputation instead of whole-layer
+checkpointing) and micro-batches of `--train-micro-tokens` tokens (a sweep: one row each; the first row
+also profiles one step).
 
 MFU: FLOPs / seconds / the bf16 matmul rate measured on the same GPU (8192^3 GEMMs), FLOPs counted on
 active parameters N (routed experts at top_k / num_experts, embeddings excluded, attention scores and
@@ -26,13 +28,41 @@ from bench.common import log
 MICRO_BATCH_TOKENS = 16384
 
 
+def parse_ac(text: str) -> list[bool | float]:
+    """`on,off,0.5` -> [True, False, 0.5]: whole-layer activation checkpointing, none, or none with the
+    compiled layers' partitioner recomputing within that memory budget (trainer.activation_memory_budget)."""
+    out = []
+    for item in str(text).split(","):
+        if item in ("on", "off"):
+            out.append(item == "on")
+            continue
+        try:
+            budget = float(item)
+        except ValueError:
+            budget = -1.0
+        if not 0 < budget <= 1:
+            raise ValueError(f"expected on, off or a memory budget in (0, 1], got {item!r}")
+        out.append(budget)
+    return out
+
+
+def ac_fields(ac: bool | float) -> dict:
+    """A setting of parse_ac as its rows record it: whole-layer checkpointing, and the budget (0 = none)."""
+    budget = 0.0 if isinstance(ac, bool) else float(ac)
+    return {"activation_checkpointing": ac is True, "activation_memory_budget": budget}
+
+
+def ac_tag(ac: bool | float) -> str:
+    return f"budget{ac:g}" if not isinstance(ac, bool) else f"ac{int(ac)}"
+
+
 def trainer_spec(
     model_path: str,
     model_name: str,
     rank: int,
     targets: str,
     tiny: bool,
-    ac: bool = False,
+    ac: bool | float = False,
     max_seq_len: int = 4096,
     micro_batch_tokens: int = MICRO_BATCH_TOKENS,
     compile: bool = False,
@@ -54,7 +84,7 @@ def trainer_spec(
         micro_batch_tokens=max(micro_batch_tokens, max_seq_len),
         max_seq_len=max_seq_len,
         r3=True,
-        activation_checkpointing=ac,
+        **ac_fields(ac),
         compile=compile,
         seed=0,
     )
@@ -95,7 +125,7 @@ def run(
     matmul: dict,
     micro_batch_tokens: int = MICRO_BATCH_TOKENS,
     profile: bool = False,
-    ac: bool = True,
+    ac: bool | float = True,
     compile: bool = False,
 ) -> dict:
     cfg = model["config"]
@@ -117,7 +147,7 @@ def run(
         "seq_len": args.train_seq_len,
         "tokens": tokens,
         "micro_batch_tokens": micro_batch_tokens,
-        "activation_checkpointing": ac,
+        **ac_fields(ac),
         "compile": compile,
         "lora_rank": 32,
         "lora_targets": "all",
@@ -139,7 +169,7 @@ def run(
             f"    profile: device busy {p['device_busy_fraction'] or 0:.0%} of {p['wall_s']:.2f}s; top: {top}"
         )
     log(
-        f"    trainer (micro-batch {micro_batch_tokens} tokens, AC {ac}, compile {compile}): "
+        f"    trainer (micro-batch {micro_batch_tokens} tokens, {ac_tag(ac)}, compile {compile}): "
         f"{row['train_tokens_per_s']:.0f} tok/s train step, MFU(6N) {row['mfu_6n']:.1%}, "
         f"MFU(4N) {row['mfu_4n']:.1%}, log-probs {row['log_probs_tokens_per_s']:.0f} tok/s, "
         f"peak {r.get('peak_allocated_gib', float('nan')):.1f} GiB"

@@ -22,3 +22,18 @@ def vllm_fused_moe_factory():
 
     factory = getattr(fused_moe, "FusedMoEFactory", None)
     return factory if factory is not None else fused_moe.FusedMoE
+
+
+def set_activation_memory_budget(budget: float) -> float:
+    """Sets what AOTAutograd's partitioner may keep for backward in the graphs torch.compile makes from now
+    on, as a fraction from 0 (recompute all but each graph's inputs) to 1 (its default, fastest split);
+    returns the previous value. A private, process-global torch config in 2.11 and 2.13 alike, read when a
+    graph is compiled: lazily, at a module's first call and at every recompile, so a scoped
+    `torch._functorch.config.patch` around `compile()` would be gone by then. torch 2.13's scoped
+    `torch.autograd.graph.region_activation_memory_budget` is not in 2.11, and must cover every op of a
+    graph, which the graph breaks inside a layer make awkward."""
+    import torch._functorch.config as functorch_config
+
+    previous = functorch_config.activation_memory_budget
+    functorch_config.activation_memory_budget = float(budget)
+    return previous

@@ -148,11 +148,25 @@ class TrainerConfig:
     micro_batch_size: int = _f(
         0, "Sequences per forward/backward per rank, when `micro_batch_tokens` is 0.", ge=0
     )
-    activation_checkpointing: bool = _f(True, "Recompute each decoder layer's activations in backward.")
+    activation_checkpointing: bool = _f(
+        True,
+        "Recompute each decoder layer's activations in backward (compiled layers with "
+        "`trainer.activation_memory_budget` > 0 use that instead).",
+    )
     compile: bool = _f(
         True,
         "torch.compile each decoder layer on GPU (fuses the element-wise work; the first "
         "step compiles for a minute or two). Ignored on CPU.",
+    )
+    activation_memory_budget: float = _f(
+        0.0,
+        "Compiled layers only (GPU, `trainer.compile`): instead of whole-layer checkpointing, the "
+        "compiler picks what to recompute, keeping this fraction of the way from each compiled graph's "
+        "inputs (0: about what whole-layer checkpointing keeps) to what it keeps without recomputation "
+        "(1). 0 = off. Uncompiled layers (CPU, `trainer.compile=false`) ignore it and follow "
+        "`trainer.activation_checkpointing`.",
+        ge=0,
+        le=1,
     )
     dtype: str = _f("float32", "Dtype of the LoRA parameters and optimizer state.", ("float32", "bfloat16"))
     checkpoint_every: int = _f(50, "Save a checkpoint every N steps (0 = only at the end).", ge=0)

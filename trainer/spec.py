@@ -52,6 +52,8 @@ class TrainerSpec:
     r3: bool = True
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder layer (CUDA only: the worker ignores it on CPU)
+    # > 0 with compile: the partitioner recomputes within this budget instead of whole-layer checkpointing
+    activation_memory_budget: float = 0.0
     seed: int = 0
 
     def __post_init__(self):
@@ -63,6 +65,10 @@ class TrainerSpec:
             )
         if self.micro_batch_size < 0 or self.micro_batch_tokens < 0:
             raise ValueError("TrainerSpec.micro_batch_size and micro_batch_tokens must be >= 0")
+        if not 0.0 <= self.activation_memory_budget <= 1.0:
+            raise ValueError(
+                f"TrainerSpec.activation_memory_budget must be in [0, 1], got {self.activation_memory_budget}"
+            )
         if self.max_seq_len < 2:
             raise ValueError(f"TrainerSpec.max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.micro_batch_tokens and self.micro_batch_tokens < self.max_seq_len:

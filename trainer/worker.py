@@ -93,6 +93,7 @@ class TrainerWorker:
             compute_dtype=dtype,
             activation_checkpointing=spec.activation_checkpointing,
             compile=spec.compile and use_cuda,
+            activation_memory_budget=spec.activation_memory_budget,
         )
         sharded_load.materialize(self.model, path, self.device, kept)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

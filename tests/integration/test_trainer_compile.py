@@ -4,13 +4,20 @@ and across two sequence lengths (dynamic shapes). Tiny Muse Spark in bf16 (the G
 grouped matmuls take bf16 only) on CPU (inductor's C++ backend), one gloo rank; the worker compiles on GPU
 only, this pins the layering it uses. Fused kernels round differently, so both the compiled and the eager
 bf16 trainer are held to an fp32 eager reference (same bf16-rounded weights): compiling may not add more than
-bf16's own error; a layer left out of the recomputation or a LoRA term lost would."""
+bf16's own error; a layer left out of the recomputation or a LoRA term lost would.
+
+With an activation memory budget the compiled layers take no checkpoint wrapper: the partitioner's
+recomputation is held to the same tolerance, and must save less for backward than at budget 1.0 (its
+default split), counted by saved-tensor hooks around the forward (AOTAutograd saves through
+save_for_backward, which they see)."""
 
 import socket
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import init_device_mesh
 
 from rl.models.tiny import make_tiny
@@ -42,7 +49,15 @@ def mesh():
     dist.destroy_process_group()
 
 
-def _model(mesh, compile: bool, dtype=torch.bfloat16):
+@pytest.fixture
+def restore_memory_budget():
+    before = functorch_config.activation_memory_budget
+    yield
+    functorch_config.activation_memory_budget = before
+    torch._dynamo.reset()  # no graph compiled under this test's budget is left for later tests
+
+
+def _model(mesh, compile: bool, dtype=torch.bfloat16, budget: float = 0.0):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(make_tiny("muse"), dtype=torch.bfloat16).to(dtype)
@@ -56,6 +71,7 @@ def _model(mesh, compile: bool, dtype=torch.bfloat16):
         compute_dtype=dtype,
         activation_checkpointing=True,
         compile=compile,
+        activation_memory_budget=budget,
     )
     return model, replay
 
@@ -65,12 +81,33 @@ def _run(model, replay, ids):
     n = ids.numel()
     routed = (torch.arange(n)[:, None, None] + torch.arange(2)) % 8  # [N, 1, k] -> every layer
     routed = routed.expand(n, replay.num_layers, 2).contiguous()
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
     with replay.active(routed, torch.ones(n, dtype=torch.bool)):
-        logits = model(input_ids=ids, use_cache=False).logits.float()
-        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = model(input_ids=ids, use_cache=False).logits.float()
+            logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         (-logp.mean()).backward()
-    grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return logp.detach(), grads
+    params = [(n.replace("._checkpoint_wrapped_module", ""), p) for n, p in model.named_parameters()]
+    grads = {n: p.grad.full_tensor().clone() for n, p in params if p.requires_grad}
+    return logp.detach(), grads, saved[0]  # the last: bytes the forward kept for backward
+
+
+def _assert_close_to_reference(ref, eager, got):
+    """_run's results: `got` may not be further from the fp32 reference than 1.5 x eager bf16's error."""
+    (ref_logp, ref, _), (eager_logp, eager_grads, _), (logp, grads, _) = ref, eager, got
+    floor = (eager_logp - ref_logp).abs().mean()
+    assert (logp - ref_logp).abs().mean() <= 1.5 * floor + 1e-3
+    assert grads.keys() == ref.keys()
+    assert all(ref[n].abs().max() > 0 for n in ref if ".experts." in n)
+    for n in ref:
+        floor = (eager_grads[n] - ref[n]).norm() / ref[n].norm()
+        err = (grads[n] - ref[n]).norm() / ref[n].norm()
+        assert err <= 1.5 * floor + 0.01, (n, float(err), float(floor))
 
 
 def test_compiled_layers_match_eager(mesh):
@@ -84,14 +121,26 @@ def test_compiled_layers_match_eager(mesh):
     g = torch.Generator().manual_seed(0)
     for length in (12, 20):
         ids = torch.randint(5, 300, (2, length), generator=g)
-        ref_logp, ref = _run(reference, reference_replay, ids)
-        eager_logp, eager_grads = _run(eager, eager_replay, ids)
-        logp, grads = _run(compiled, compiled_replay, ids)
-        floor = (eager_logp - ref_logp).abs().mean()
-        assert (logp - ref_logp).abs().mean() <= 1.5 * floor + 1e-3
-        assert grads.keys() == ref.keys()
-        assert all(ref[n].abs().max() > 0 for n in ref if ".experts." in n)
-        for n in ref:
-            floor = (eager_grads[n] - ref[n]).norm() / ref[n].norm()
-            err = (grads[n] - ref[n]).norm() / ref[n].norm()
-            assert err <= 1.5 * floor + 0.01, (n, float(err), float(floor))
+        _assert_close_to_reference(
+            _run(reference, reference_replay, ids),
+            _run(eager, eager_replay, ids),
+            _run(compiled, compiled_replay, ids),
+        )
+
+
+def test_memory_budget_recomputes_instead_of_the_checkpoint_wrapper(mesh, restore_memory_budget):
+    torch._dynamo.reset()
+    ids = torch.randint(5, 300, (2, 64), generator=torch.Generator().manual_seed(1))
+    ref = _run(*_model(mesh, compile=False, dtype=torch.float32), ids)
+    eager = _run(*_model(mesh, compile=False), ids)
+    saved = {}
+    # No dynamo reset between the two: parallelize must not hand budget 1.0's cached graphs to 0.05.
+    for budget in (1.0, 0.05):
+        model, replay = _model(mesh, compile=True, budget=budget)  # activation_checkpointing=True too
+        assert not any(isinstance(m, CheckpointWrapper) for m in model.modules())
+        assert functorch_config.activation_memory_budget == budget
+        got = _run(model, replay, ids)
+        _assert_close_to_reference(ref, eager, got)
+        saved[budget] = got[2]
+    # 128 tokens, so that the activations outweigh the base weights both save: 8.8 MB vs 5.5 MB seen
+    assert saved[0.05] < 0.75 * saved[1.0], saved

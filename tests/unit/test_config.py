@@ -250,6 +250,9 @@ def test_bounds_declared_on_fields(tmp_path):
     assert "rollout.top_p: must be in (0, 1], got 1.5" in error(recipe(tmp_path), ["rollout.top_p=1.5"])
     assert "trainer.lr: must be greater than 0, got 0.0" in error(recipe(tmp_path), ["trainer.lr=0"])
     assert "eval.k: must be at least 1, got 0" in error(recipe(tmp_path), ["eval.k=0"])
+    assert "trainer.activation_memory_budget: must be in [0, 1], got 1.5" in error(
+        recipe(tmp_path), ["trainer.activation_memory_budget=1.5"]
+    )
     assert "data.arith.num_terms: must be at least 2, got 1" in error(
         recipe(tmp_path), ["data.arith.num_terms=1"]
     )
@@ -430,3 +433,10 @@ def test_every_field_default_is_a_plain_value():
     assert "x" not in b.lora.target_modules
     assert dataclasses.is_dataclass(a.algorithm.rollout_correction)
     assert sys.modules["rl.config"].SparkConfig is SparkConfig
+
+
+def test_trainer_spec_carries_the_memory_budget():
+    from rl.setup import trainer_spec
+
+    cfg = load_config(REPO / "recipes" / "demo_cpu.yaml", ["trainer.activation_memory_budget=0.25"])
+    assert trainer_spec(cfg, "model").activation_memory_budget == 0.25

@@ -113,6 +113,31 @@ def test_small_model_trainer_by_hand(small_cfg):
     ]
 
 
+def test_memory_budget_applies_to_compiled_gpu_layers_only(small_cfg):
+    work = 1024 * 2 * (6 * 64 + 2 * 64 + 2 * 32 + 2 * (64 + 3 * 32))
+    rest = work + 1024 * 100 * (2 + 4 + 4)  # the computing layer and the logits, whatever is kept
+    # The graphs' inputs: each layer's input and, past the expert function's graph break, the top-2 routed
+    # copies; a budget of 0.5 keeps them and half of what no checkpointing would add (3 layers' working sets).
+    floor = 1024 * 2 * (4 * 64 + 4 * 2 * 64)
+    budget = P.make_plan(small_cfg("trainer.activation_memory_budget=0.5"), gpu_gib=140)
+    assert budget.t_activations == floor + 0.5 * (3 * work - floor) + rest
+    no_ac = P.make_plan(small_cfg("trainer.activation_checkpointing=false"), gpu_gib=140)
+    assert no_ac.t_activations == 3 * work + rest
+    full = P.make_plan(small_cfg("trainer.activation_memory_budget=1.0"), gpu_gib=140)
+    assert full.t_activations == no_ac.t_activations
+    whole_layer = 4 * 1024 * 64 * 2 + rest
+    assert P.make_plan(small_cfg(), gpu_gib=140).t_activations == whole_layer
+    assert whole_layer < budget.t_activations < no_ac.t_activations
+    # Uncompiled layers ignore the budget: whole-layer checkpointing as the recipe says.
+    for off in (("trainer.compile=false",), ("resources.num_gpus=0", "trainer.num_ranks=1")):
+        p = P.make_plan(small_cfg("trainer.activation_memory_budget=0.5", *off), gpu_gib=140)
+        assert p.t_activations == whole_layer, off
+    tight = P.make_plan(small_cfg("trainer.activation_memory_budget=0.5"), gpu_gib=1.5)
+    assert not tight.fits
+    assert any("trainer.activation_memory_budget below 0.5" in s for s in tight.suggestions)
+    assert not any(s.startswith("trainer.activation_checkpointing=true") for s in tight.suggestions)
+
+
 def test_small_model_does_not_fit_and_says_what_to_change(small_cfg):
     p = P.make_plan(small_cfg(), gpu_gib=2.0)  # vLLM's 1 GiB cannot hold its runtime and more
     need = (GiB + 84_672 + 145_408 + p.r_activations + 57_344) / (2 * GiB)

@@ -98,12 +98,17 @@ def test_engine_settings_pass_through():
         max_lora_rank=16,
         max_loras=1,  # 12 -> vLLM's next rank, 16
         enable_return_routed_experts=True,
+        scheduler_cls="rollout.vllm_ext.routing_at_finish_scheduler",  # R3 read once per sample
         enable_sleep_mode=True,
         swap_space=1,
     )
     # R3 only where there is routing; max_model_len 0 leaves vLLM's default.
     kw = engine_kwargs(EngineSpec(model_path="/m", return_routed_experts=True), DENSE)
     assert "enable_return_routed_experts" not in kw and "max_model_len" not in kw
+    assert "scheduler_cls" not in kw
+    # vLLM's own per-step routing stream on request
+    kw = engine_kwargs(EngineSpec(model_path="/m", return_routed_experts=True, routing_at_finish=False), MOE)
+    assert kw["enable_return_routed_experts"] is True and "scheduler_cls" not in kw
 
 
 def test_marlin_is_pinned_for_nvfp4_experts_with_lora():

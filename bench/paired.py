@@ -1,0 +1,178 @@
+"""Rollout throughput of two engines measured in alternation: the R3 cost as a paired figure.
+
+One engine per process, as everywhere in bench/, but here both stay up at once, each in its own child
+process, and every timed batch runs on both, back to back, on the same prompts and seeds (which engine goes
+first alternates). Measured one after the other (bench/rollout.py), repeats of one batch size differed by up
+to 2.5x on the H200 while the R3 budget is 3 %: whatever slowed the machine for a while slowed only one
+engine's rows. Paired, a slow spell hits both runs of a pair; the figure is 1 - tok/s(other) / tok/s(base)
+from the per-pair ratios, balanced over the two orders (`paired_cost`).
+
+The children take their orders through a pipe: ("run", prompts, output_len, seed) -> (seconds, tokens).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from bench import engines
+from bench.common import log
+from bench.rollout import REPEATS, WARMUP_TOKENS, _prompts, timed_generate
+
+START_TIMEOUT_S = 600
+SETTLE_S = 0.5  # between timed runs: the engine that just ran finishes its own clean-up first
+
+
+def _child(conn, key: str, model: dict, args, adapter_dir: str | None) -> None:
+    """An engine's process: open it, load the adapter, then time generate calls until told to stop."""
+    from rollout.staging import default_stage_root
+
+    worker = None
+    try:
+        cfg, note = engines.CONFIGS[key], ""
+        if args.tiny:
+            cfg, note = engines.on_cpu_plan(cfg)
+            if cfg is None:
+                raise RuntimeError(f"--tiny: engine {key} cannot run on CPU ({note})")
+        worker, info = engines.open_engine(cfg, model, args, default_stage_root(f"pair_{key}"))
+        info.update(note=note, lora_rank=engines.LORA_RANK if cfg.lora else 0)
+        if cfg.lora and adapter_dir:
+            worker.load_adapter(adapter_dir, None, version=1)
+        conn.send(("up", info))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            _, prompts, output_len, seed = msg
+            conn.send(("ok", timed_generate(worker, prompts, output_len, seed)))
+    except Exception as e:  # noqa: BLE001 - the parent records it
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+    finally:
+        if worker is not None:
+            worker.shutdown()
+        conn.close()
+
+
+class _Engine:
+    def __init__(self, key: str, model: dict, args, adapter_dir: str | None):
+        self.key = key
+        ctx = mp.get_context("spawn")  # vLLM and CUDA need a fresh interpreter
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(child, key, model, args, adapter_dir), daemon=False)
+        self.proc.start()
+        child.close()
+
+    def wait_up(self) -> dict:
+        return self._reply(START_TIMEOUT_S)
+
+    def run(self, prompts, output_len: int, seed: int) -> tuple[float, int]:
+        self.conn.send(("run", prompts, output_len, seed))
+        return self._reply(START_TIMEOUT_S)
+
+    def _reply(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"engine {self.key}: no reply in {timeout:.0f}s")
+        kind, payload = self.conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"engine {self.key}: {payload}")
+        return payload
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(120)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def paired_cost(rates_base: list[float], rates_other: list[float]) -> float:
+    """The other engine's cost relative to the base, 1 - other / base, from pairs whose order alternates
+    (base first in even pairs). Whichever engine ran second was slower on the CPU machine (the first one's
+    process still busy after returning its outputs), so the median is taken per order and the two log
+    ratios averaged: that cancels an order effect of either sign."""
+    logs = np.log(np.asarray(rates_other) / np.asarray(rates_base))
+    by_order = [logs[0::2], logs[1::2]]
+    return float(1 - np.exp(np.mean([np.median(x) for x in by_order if len(x)])))
+
+
+def sweep_pair(
+    base_key: str,
+    other_key: str,
+    model: dict,
+    args,
+    adapter: tuple[dict, dict] | None,
+    repeats: int = REPEATS + REPEATS % 2,  # even: as many pairs in each order
+) -> Iterator[dict]:
+    """Rows in bench/rollout.py's format for both engines (their own medians), plus, on the other engine's
+    rows, `paired_cost` (its cost relative to the base engine) and the per-pair figures; yielded per batch
+    size, as measured."""
+    from trainer.checkpoint_io import write_adapter
+
+    vocab = model["config"]["vocab_size"]
+    with tempfile.TemporaryDirectory(prefix="sparkrl_pair_") as tmp:
+        adapter_dir = str(write_adapter(Path(tmp) / "adapter", *adapter)) if adapter else None
+        pair: list[_Engine] = []
+        try:
+            infos = {}
+            # One after the other: vLLM sizes its KV cache from the memory that changed on the GPU while it
+            # profiled, so an engine starting beside another one would count the other's allocations.
+            for key in (base_key, other_key):
+                t = time.time()
+                pair.append(_Engine(key, model, args, adapter_dir))
+                infos[key] = pair[-1].wait_up()
+                log(f"  engine {key} up ({infos[key].get('graphs')}; {time.time() - t:.0f}s)")
+            for b in args.batch_sizes:  # kernel compilation and autotuning at new shapes, untimed
+                for e in pair:
+                    e.run(_prompts(b, args.prompt_len, vocab, seed=10_000 + b), WARMUP_TOKENS, 0)
+            for b in args.batch_sizes:
+                rates: dict[str, list[float]] = {e.key: [] for e in pair}
+                seconds: dict[str, list[float]] = {e.key: [] for e in pair}
+                tokens = 0
+                for r in range(repeats):
+                    prompts = _prompts(b, args.prompt_len, vocab, seed=b + 1000 * r)
+                    for e in pair if r % 2 == 0 else pair[::-1]:
+                        time.sleep(SETTLE_S)
+                        s, tokens = e.run(prompts, args.output_len, 1 + r)
+                        rates[e.key].append(tokens / s)
+                        seconds[e.key].append(round(s, 4))
+                cost = paired_cost(rates[base_key], rates[other_key])
+                rows = []
+                for e in pair:
+                    median = float(np.median(rates[e.key]))
+                    row = {
+                        **infos[e.key],
+                        "config": e.key,
+                        "batch": b,
+                        "prompt_len": args.prompt_len,
+                        "output_len": args.output_len,
+                        "output_tokens": tokens,
+                        "repeats": repeats,
+                        "seconds": seconds[e.key],
+                        "tokens_per_s": median,
+                        "tokens_per_s_all": [round(x, 1) for x in rates[e.key]],
+                        "ms_per_step": 1000 * b / median,
+                        "paired_with": other_key if e.key == base_key else base_key,
+                    }
+                    if e.key == other_key:
+                        row["paired_cost"] = cost
+                        row["paired_costs_all"] = [
+                            round(1 - o / x, 4) for x, o in zip(rates[base_key], rates[other_key])
+                        ]
+                    rows.append(row)
+                log(
+                    f"    batch {b:4d}: {base_key} {np.median(rates[base_key]):9.1f} tok/s, {other_key} "
+                    f"{np.median(rates[other_key]):9.1f} tok/s; paired cost {cost:.1%} "
+                    f"({', '.join(f'{1 - o / x:.1%}' for x, o in zip(rates[base_key], rates[other_key]))})"
+                )
+                yield from rows
+        finally:
+            for e in pair:
+                e.close()

