@@ -93,8 +93,20 @@ def recipe_ac(args) -> str:
 # Derived figures.
 
 
+def _one_line(text) -> str:
+    """nvidia-smi prints one line per GPU."""
+    lines = [x.strip() for x in str(text).splitlines() if x.strip()]
+    return lines[0] if len(set(lines)) == 1 else "; ".join(lines)
+
+
 def tps(rows: list[dict], model: str, config: str) -> dict[int, float]:
-    return {r["batch"]: r["tokens_per_s"] for r in ok(rows) if r["model"] == model and r["config"] == config}
+    """Tokens/s by batch; a row timed in alternation with an engine outside CONFIGS is left to
+    paired_table (the base engine ran once per pair: its rows from the pair with a listed engine count)."""
+    return {
+        r["batch"]: r["tokens_per_s"]
+        for r in ok(rows)
+        if r["model"] == model and r["config"] == config and r.get("paired_with", config) in CONFIGS
+    }
 
 
 def ratios(rows: list[dict], model: str) -> dict[str, dict[int, float]]:
@@ -157,7 +169,7 @@ def environment(envs: list[dict]) -> list[str]:
     dev = e.get("device", {})
     lines = [
         f"- Date: {', '.join(sorted({x['date_utc'] for x in envs}))}",
-        f"- GPU: {e.get('gpu') or dev.get('device')} (torch CUDA {dev.get('torch_cuda')}); "
+        f"- GPU: {_one_line(e.get('gpu') or dev.get('device'))} (torch CUDA {dev.get('torch_cuda')}); "
         f"bf16 matmul {fmt((e.get('matmul') or {}).get('tflops'), '.0f')} TFLOP/s measured",
         "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
         f"- Commit: {e.get('git_commit') or '—'}",
@@ -347,10 +359,14 @@ def paired_table(rows: list[dict], model: str) -> list[str]:
     paired = [r for r in ok(rows) if r["model"] == model and "paired_cost" in r]
     if not paired:
         return []
-    base = {(r["config"], r["batch"]): r for r in ok(rows) if r["model"] == model}
+    base = {
+        (r["config"], r["paired_with"], r["batch"]): r
+        for r in ok(rows)
+        if r["model"] == model and "paired_with" in r
+    }
     body = []
     for r in sorted(paired, key=lambda r: (r["config"], r["batch"])):
-        b = base.get((r["paired_with"], r["batch"]), {})
+        b = base.get((r["paired_with"], r["config"], r["batch"]), {})
         body.append(
             [
                 r["paired_with"],
@@ -536,11 +552,18 @@ def not_run(rows: dict) -> list[str]:
     for b, rs in rows.items():
         for r in rs:
             if r.get("status") != "ok":
+                if r.get("status") == "skipped" and _measured_elsewhere(r, rs):
+                    continue  # a later call (another folder) measured it
                 what = ", ".join(
                     f"{k}={r[k]}" for k in ("model", "config", "row", "rank", "targets") if k in r
                 )
                 out.append(f"- {b} ({what}): {r['status']}: {r.get('reason', '')[:300]}")
     return out or ["- none"]
+
+
+def _measured_elsewhere(skipped: dict, rows: list[dict]) -> bool:
+    keys = [k for k in ("model", "config", "row", "rank", "targets") if k in skipped]
+    return any(r.get("status") == "ok" and all(r.get(k) == skipped[k] for k in keys) for r in rows)
 
 
 def render(dirs: list[Path], args) -> str:
