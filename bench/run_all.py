@@ -169,7 +169,7 @@ class ModelRun:
         weights: str,
         rank: int,
         targets: str,
-        ac: bool = False,
+        ac: bool | float = False,  # a float: trainer.activation_memory_budget (bench.trainer.parse_ac)
         micro_batch_tokens: int = 0,
         compile: bool = False,
     ) -> str:
