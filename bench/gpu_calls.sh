@@ -16,7 +16,7 @@
 #
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
-# `python -m bench.summarize $OUT/*` merges them.
+# `python -m bench.summarize $OUT/*` merges them (each folder comes back packed as NAME.tgz).
 #
 # On the two-GPU machine two calls can run side by side, each on its own GPU and model folder (two
 # processes building the same model folder at once would collide):
@@ -33,6 +33,9 @@ bench() {  # bench NAME ARGS...: one bench.run_all process writing $OUT0/NAME
     >"$OUT0/$name/stdout.txt" 2>&1
   echo "== $name rc=$?"
   grep -E '^\[' "$OUT0/$name/log.txt" | tail -40
+  # One archive per call: the device returns only so many files from $OUT (a whole folder of JSON was
+  # left behind once). bench.summarize reads the archives as they are.
+  tar czf "$OUT0/$name.tgz" -C "$OUT0" "$name" && rm -rf "${OUT0:?}/$name"
 }
 
 for call in "$@"; do

@@ -95,9 +95,9 @@ class _Engine:
 
 def paired_cost(rates_base: list[float], rates_other: list[float]) -> float:
     """The other engine's cost relative to the base, 1 - other / base, from pairs whose order alternates
-    (base first in even pairs). Whichever engine ran second was slower on the CPU machine (the first one's
-    process still busy after returning its outputs), so the median is taken per order and the two log
-    ratios averaged: that cancels an order effect of either sign."""
+    (base first in even pairs). Whichever engine ran second was slower, on the CPU machine and by a few % on
+    the H200 too, so the median is taken per order and the two log ratios averaged: that cancels an order
+    effect of either sign."""
     logs = np.log(np.asarray(rates_other) / np.asarray(rates_base))
     by_order = [logs[0::2], logs[1::2]]
     return float(1 - np.exp(np.mean([np.median(x) for x in by_order if len(x)])))

@@ -1,6 +1,6 @@
 """Turn benchmark JSON (one or more $OUT folders of bench.run_all) into the markdown for docs/benchmarks.md.
 
-    python -m bench.summarize OUT_DIR [OUT_DIR ...] [--ref-response-len 2048] > block.md
+    python -m bench.summarize OUT_DIR|NAME.tgz [...] [--ref-response-len 2048] > block.md
 
 Rows of same-named files in several folders are merged (e.g. one folder per remote call). The goals of
 issue 11 come first, each with its measured figure and PASS / FAIL:
@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tarfile
+import tempfile
 from pathlib import Path
 
 BENCHES = ("rollout", "sync", "trainer", "kl", "grpo", "lora_experts")
@@ -29,8 +31,28 @@ CONFIGS = ("bf16", "bf16_lora", "nvfp4_lora", "nvfp4_lora_r3")
 GOALS = {"r3_cost": 0.03, "sync_share": 0.02, "mfu": 0.30, "k3": 1e-4}
 
 
+def _unpacked(paths: list[Path], tmp: Path) -> list[Path]:
+    """Folders as they are; `NAME.tgz` archives (bench/gpu_calls.sh packs each call's folder) unpacked
+    under tmp, one folder per archive member that holds JSON."""
+    out = []
+    for p in paths:
+        if p.is_file() and p.name.endswith((".tgz", ".tar.gz")):
+            dest = tmp / p.name.split(".")[0]
+            with tarfile.open(p) as tar:
+                tar.extractall(dest, filter="data")
+            out += sorted({f.parent for f in dest.rglob("*.json")})
+        else:
+            out.append(p)
+    return out
+
+
 def load(dirs: list[Path]) -> tuple[list[dict], dict[str, list[dict]]]:
-    """(env.json of each folder, rows per benchmark)."""
+    """(env.json of each folder or archive, rows per benchmark)."""
+    with tempfile.TemporaryDirectory(prefix="sparkrl_summary_") as tmp:
+        return _load(_unpacked(dirs, Path(tmp)))
+
+
+def _load(dirs: list[Path]) -> tuple[list[dict], dict[str, list[dict]]]:
     envs, rows = [], {b: [] for b in BENCHES}
     for d in dirs:
         if (d / "env.json").exists():
@@ -356,7 +378,7 @@ def rollout_section(rows: list[dict], models: list[str]) -> list[str]:
 
 def paired_table(rows: list[dict], model: str) -> list[str]:
     """Every pair of engines run in alternation (bench/paired.py), whatever the configurations."""
-    paired = [r for r in ok(rows) if r["model"] == model and "paired_cost" in r]
+    paired = [r for r in ok(rows) if r["model"] == model and "paired_cost" in r and "paired_with" in r]
     if not paired:
         return []
     base = {

@@ -82,3 +82,32 @@ def test_summary_judges_the_paired_cost(tmp_path):
         x for x in summarize.render([tmp_path], REF).split("### Goals")[1].splitlines() if "R3 cost" in x
     )
     assert "26.0% at batch 256" in line and "FAIL" in line
+
+
+def test_summary_reads_packed_calls(tmp_path):
+    """bench/gpu_calls.sh packs each call's folder into NAME.tgz (the device returns only so many files)."""
+    import tarfile
+
+    call = tmp_path / "muse_r3pair"
+    call.mkdir()
+    (call / "env.json").write_text(json.dumps({"date_utc": "2026-01-01T00:00:00+00:00", "command": "x"}))
+    r = Results(call, "rollout")
+    for config, tps, extra in (
+        ("nvfp4_lora", 1000.0, {"paired_with": "nvfp4_lora_r3"}),
+        ("nvfp4_lora_r3", 990.0, {"paired_with": "nvfp4_lora", "paired_cost": 0.01}),
+    ):
+        r.add(
+            model="muse",
+            config=config,
+            graphs="full_decode",
+            batch=256,
+            prompt_len=64,
+            output_len=128,
+            tokens_per_s=tps,
+            **extra,
+        )
+    with tarfile.open(tmp_path / "muse_r3pair.tgz", "w:gz") as tar:
+        tar.add(call, arcname="muse_r3pair")
+    from_folder = summarize.render([call], REF)
+    from_archive = summarize.render([tmp_path / "muse_r3pair.tgz"], REF)
+    assert from_archive == from_folder and "| 256 | — | — | 1000 | 990 |" in from_archive
