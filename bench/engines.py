@@ -93,7 +93,7 @@ def engine_spec(cfg: EngineConfig, model: dict, args, graphs: str):
 
 
 def open_engine(cfg: EngineConfig, model: dict, args, stage_root: Path):
-    """(RolloutWorker, info); info: graphs used, start seconds, and the error that forced a fallback."""
+    """(RolloutWorker, info); info: graphs used, start seconds, LoRA rank, and the error that forced a fallback."""
     import rl.models.muse  # noqa: F401 - RolloutWorker reads config.json through AutoConfig before vLLM loads
     from rollout.worker import RolloutWorker
 
@@ -112,7 +112,12 @@ def open_engine(cfg: EngineConfig, model: dict, args, stage_root: Path):
                 f"retrying eagerly"
             )
             continue
-        info.update(graphs=graphs, start_s=round(time.time() - t, 1), cudagraph_mode=_cudagraph_mode(worker))
+        info.update(
+            graphs=graphs,
+            start_s=round(time.time() - t, 1),
+            cudagraph_mode=_cudagraph_mode(worker),
+            lora_rank=LORA_RANK if cfg.lora else 0,
+        )
         log(f"  engine {cfg.key} up in {info['start_s']}s (graphs={graphs})")
         return worker, info
     raise AssertionError("unreachable")

@@ -23,7 +23,7 @@ import numpy as np
 
 from bench import engines
 from bench.common import log
-from bench.rollout import REPEATS, WARMUP_TOKENS, _prompts, timed_generate
+from bench.rollout import REPEATS, WARMUP_TOKENS, _prompts, rollout_row, timed_generate
 
 START_TIMEOUT_S = 600
 SETTLE_S = 0.5  # between timed runs: the engine that just ran finishes its own clean-up first
@@ -41,7 +41,7 @@ def _child(conn, key: str, model: dict, args, adapter_dir: str | None) -> None:
             if cfg is None:
                 raise RuntimeError(f"--tiny: engine {key} cannot run on CPU ({note})")
         worker, info = engines.open_engine(cfg, model, args, default_stage_root(f"pair_{key}"))
-        info.update(note=note, lora_rank=engines.LORA_RANK if cfg.lora else 0)
+        info["note"] = note
         if cfg.lora and adapter_dir:
             worker.load_adapter(adapter_dir, None, version=1)
         conn.send(("up", info))
@@ -133,46 +133,31 @@ def sweep_pair(
                 for e in pair:
                     e.run(_prompts(b, args.prompt_len, vocab, seed=10_000 + b), WARMUP_TOKENS, 0)
             for b in args.batch_sizes:
-                rates: dict[str, list[float]] = {e.key: [] for e in pair}
-                seconds: dict[str, list[float]] = {e.key: [] for e in pair}
-                tokens = 0
+                runs: dict[str, list[tuple[float, int]]] = {e.key: [] for e in pair}
                 for r in range(repeats):
                     prompts = _prompts(b, args.prompt_len, vocab, seed=b + 1000 * r)
                     for e in pair if r % 2 == 0 else pair[::-1]:
                         time.sleep(SETTLE_S)
-                        s, tokens = e.run(prompts, args.output_len, 1 + r)
-                        rates[e.key].append(tokens / s)
-                        seconds[e.key].append(round(s, 4))
-                cost = paired_cost(rates[base_key], rates[other_key])
-                rows = []
-                for e in pair:
-                    median = float(np.median(rates[e.key]))
-                    row = {
+                        runs[e.key].append(e.run(prompts, args.output_len, 1 + r))
+                rows = {
+                    e.key: {
                         **infos[e.key],
                         "config": e.key,
-                        "batch": b,
-                        "prompt_len": args.prompt_len,
-                        "output_len": args.output_len,
-                        "output_tokens": tokens,
-                        "repeats": repeats,
-                        "seconds": seconds[e.key],
-                        "tokens_per_s": median,
-                        "tokens_per_s_all": [round(x, 1) for x in rates[e.key]],
-                        "ms_per_step": 1000 * b / median,
+                        **rollout_row(b, args.prompt_len, args.output_len, runs[e.key]),
                         "paired_with": other_key if e.key == base_key else base_key,
                     }
-                    if e.key == other_key:
-                        row["paired_cost"] = cost
-                        row["paired_costs_all"] = [
-                            round(1 - o / x, 4) for x, o in zip(rates[base_key], rates[other_key])
-                        ]
-                    rows.append(row)
+                    for e in pair
+                }
+                base_rates, other_rates = ([t / s for s, t in runs[k]] for k in (base_key, other_key))
+                per_pair = [round(1 - o / x, 4) for x, o in zip(base_rates, other_rates)]
+                cost = paired_cost(base_rates, other_rates)
+                rows[other_key].update(paired_cost=cost, paired_costs_all=per_pair)
                 log(
-                    f"    batch {b:4d}: {base_key} {np.median(rates[base_key]):9.1f} tok/s, {other_key} "
-                    f"{np.median(rates[other_key]):9.1f} tok/s; paired cost {cost:.1%} "
-                    f"({', '.join(f'{1 - o / x:.1%}' for x, o in zip(rates[base_key], rates[other_key]))})"
+                    f"    batch {b:4d}: {base_key} {rows[base_key]['tokens_per_s']:9.1f} tok/s, {other_key} "
+                    f"{rows[other_key]['tokens_per_s']:9.1f} tok/s; paired cost {cost:.1%} "
+                    f"({', '.join(f'{x:.1%}' for x in per_pair)})"
                 )
-                yield from rows
+                yield from rows.values()
         finally:
             for e in pair:
                 e.close()

@@ -67,6 +67,23 @@ def timed_generate(worker, prompts: list[list[int]], output_len: int, seed: int)
     return time.perf_counter() - start, tokens
 
 
+def rollout_row(batch: int, prompt_len: int, output_len: int, runs: list[tuple[float, int]]) -> dict:
+    """One batch size's row from its timed runs, (seconds, output tokens) each: the median rate is the figure."""
+    rates = [tokens / seconds for seconds, tokens in runs]
+    median = float(np.median(rates))
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "output_tokens": runs[0][1],
+        "repeats": len(runs),
+        "seconds": [round(seconds, 4) for seconds, _ in runs],
+        "tokens_per_s": median,
+        "tokens_per_s_all": [round(x, 1) for x in rates],
+        "ms_per_step": 1000 * batch / median,  # prefill included
+    }
+
+
 def sweep(
     worker, batch_sizes: list[int], prompt_len: int, output_len: int, vocab: int, repeats: int = REPEATS
 ) -> list[dict]:
@@ -78,22 +95,10 @@ def sweep(
             timed_generate(worker, _prompts(b, prompt_len, vocab, seed=b + 1000 * r), output_len, seed=1 + r)
             for r in range(repeats)
         ]
-        rates = [tokens / seconds for seconds, tokens in runs]
-        median = float(np.median(rates))
-        row = {
-            "batch": b,
-            "prompt_len": prompt_len,
-            "output_len": output_len,
-            "output_tokens": runs[0][1],
-            "repeats": repeats,
-            "seconds": [round(seconds, 4) for seconds, _ in runs],
-            "tokens_per_s": median,
-            "tokens_per_s_all": [round(x, 1) for x in rates],
-            "ms_per_step": 1000 * b / median,  # prefill included
-        }
+        row = rollout_row(b, prompt_len, output_len, runs)
         log(
-            f"    batch {b:4d}: {median:9.1f} tok/s (median of {repeats}: "
-            f"{', '.join(f'{x:.0f}' for x in rates)}; {row['ms_per_step']:.2f} ms/step)"
+            f"    batch {b:4d}: {row['tokens_per_s']:9.1f} tok/s (median of {repeats}: "
+            f"{', '.join(f'{x:.0f}' for x in row['tokens_per_s_all'])}; {row['ms_per_step']:.2f} ms/step)"
         )
         rows.append(row)
     return rows

@@ -268,9 +268,7 @@ class ModelRun:
             for bench in uses:
                 self.res[bench].error(e, model=self.name, config=cfg.key)
             return
-        info.update(
-            config=cfg.key, model=self.name, note=note, lora_rank=engines.LORA_RANK if cfg.lora else 0
-        )
+        info.update(config=cfg.key, model=self.name, note=note)
         self.engine_info[cfg.key] = info
         try:
             if cfg.lora:

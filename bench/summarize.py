@@ -26,8 +26,11 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from bench.trainer import ac_fields, parse_ac
+
 BENCHES = ("rollout", "sync", "trainer", "kl", "grpo", "lora_experts")
 CONFIGS = ("bf16", "bf16_lora", "nvfp4_lora", "nvfp4_lora_r3")
+ROW_KEYS = ("model", "config", "row", "rank", "targets")  # what names a row in "Skipped or failed"
 GOALS = {"r3_cost": 0.03, "sync_share": 0.02, "mfu": 0.30, "k3": 1e-4}
 
 
@@ -95,16 +98,14 @@ def ac_label(r: dict) -> str:
 
 
 def ac_setting(text: str) -> str:
-    """--recipe-ac (on, off or a budget) as ac_label writes it."""
-    if text in ("on", "off"):
-        return text
+    """--recipe-ac (on, off or a budget, as bench.trainer.parse_ac reads --train-ac) as ac_label writes it."""
     try:
-        budget = float(text)
-    except ValueError:
-        budget = -1.0
-    if not 0 < budget <= 1:
-        raise argparse.ArgumentTypeError(f"expected on, off or a memory budget in (0, 1], got {text!r}")
-    return f"budget {budget:g}"
+        (ac,) = parse_ac(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"expected on, off or a memory budget in (0, 1], got {text!r}"
+        ) from e
+    return ac_label(ac_fields(ac))
 
 
 def recipe_ac(args) -> str:
@@ -576,15 +577,13 @@ def not_run(rows: dict) -> list[str]:
             if r.get("status") != "ok":
                 if r.get("status") == "skipped" and _measured_elsewhere(r, rs):
                     continue  # a later call (another folder) measured it
-                what = ", ".join(
-                    f"{k}={r[k]}" for k in ("model", "config", "row", "rank", "targets") if k in r
-                )
+                what = ", ".join(f"{k}={r[k]}" for k in ROW_KEYS if k in r)
                 out.append(f"- {b} ({what}): {r['status']}: {r.get('reason', '')[:300]}")
     return out or ["- none"]
 
 
 def _measured_elsewhere(skipped: dict, rows: list[dict]) -> bool:
-    keys = [k for k in ("model", "config", "row", "rank", "targets") if k in skipped]
+    keys = [k for k in ROW_KEYS if k in skipped]
     return any(r.get("status") == "ok" and all(r.get(k) == skipped[k] for k in keys) for r in rows)
 
 

@@ -118,6 +118,8 @@ class _RoutingAtFinish:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
         finally:
             finished, self._finished_routing = self._finished_routing, None
+        if not finished:  # most steps: no sample ended, nothing to attach (no walk over the batch)
+            return outputs
         for engine_outputs in outputs.values():
             for out in engine_outputs.outputs:
                 routing = finished.get(out.request_id)

@@ -42,33 +42,32 @@ def test_rollout_pair_option():
         parse_args(["--tiny", "--rollout-pair", "nvfp4_lora"])
 
 
+def _write_pair(folder, pairs):
+    """An env.json and, per (batch, plain tok/s, R3 tok/s, paired cost), the two rows bench/paired.py
+    writes for NVFP4+LoRA and NVFP4+LoRA+R3 run in alternation."""
+    (folder / "env.json").write_text(json.dumps({"date_utc": "2026-01-01T00:00:00+00:00", "command": "x"}))
+    r = Results(folder, "rollout")
+    for batch, plain, r3, cost in pairs:
+        for config, tps, extra in (
+            ("nvfp4_lora", plain, {"paired_with": "nvfp4_lora_r3"}),
+            ("nvfp4_lora_r3", r3, {"paired_with": "nvfp4_lora", "paired_cost": cost}),
+        ):
+            r.add(
+                model="muse",
+                config=config,
+                graphs="full_decode",
+                batch=batch,
+                prompt_len=64,
+                output_len=128,
+                tokens_per_s=tps,
+                **extra,
+            )
+
+
 def test_summary_judges_the_paired_cost(tmp_path):
     """The medians alone say R3 costs 26 % at batch 256; the pairs say 1 %: the pairs decide."""
-    (tmp_path / "env.json").write_text(json.dumps({"date_utc": "2026-01-01T00:00:00+00:00", "command": "x"}))
+    _write_pair(tmp_path, ((1, 180.0, 178.0, 0.012), (256, 1800.0, 1332.0, 0.01)))
     path = tmp_path / "rollout.json"
-    r = Results(tmp_path, "rollout")
-    for batch, plain, r3, cost in ((1, 180.0, 178.0, 0.012), (256, 1800.0, 1332.0, 0.01)):
-        r.add(
-            model="muse",
-            config="nvfp4_lora",
-            graphs="full_decode",
-            batch=batch,
-            prompt_len=64,
-            output_len=128,
-            tokens_per_s=plain,
-            paired_with="nvfp4_lora_r3",
-        )
-        r.add(
-            model="muse",
-            config="nvfp4_lora_r3",
-            graphs="full_decode",
-            batch=batch,
-            prompt_len=64,
-            output_len=128,
-            tokens_per_s=r3,
-            paired_with="nvfp4_lora",
-            paired_cost=cost,
-        )
     md = summarize.render([tmp_path], REF)
     goals = md.split("### Goals")[1].split("###")[0]
     line = next(x for x in goals.splitlines() if "R3 cost of rollout" in x)
@@ -90,22 +89,7 @@ def test_summary_reads_packed_calls(tmp_path):
 
     call = tmp_path / "muse_r3pair"
     call.mkdir()
-    (call / "env.json").write_text(json.dumps({"date_utc": "2026-01-01T00:00:00+00:00", "command": "x"}))
-    r = Results(call, "rollout")
-    for config, tps, extra in (
-        ("nvfp4_lora", 1000.0, {"paired_with": "nvfp4_lora_r3"}),
-        ("nvfp4_lora_r3", 990.0, {"paired_with": "nvfp4_lora", "paired_cost": 0.01}),
-    ):
-        r.add(
-            model="muse",
-            config=config,
-            graphs="full_decode",
-            batch=256,
-            prompt_len=64,
-            output_len=128,
-            tokens_per_s=tps,
-            **extra,
-        )
+    _write_pair(call, ((256, 1000.0, 990.0, 0.01),))
     with tarfile.open(tmp_path / "muse_r3pair.tgz", "w:gz") as tar:
         tar.add(call, arcname="muse_r3pair")
     from_folder = summarize.render([call], REF)
