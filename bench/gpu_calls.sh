@@ -7,10 +7,12 @@
 #   bash bench/gpu_calls.sh r3                 # Muse: NVFP4+LoRA with and without R3: rollout, KL
 #   bash bench/gpu_calls.sh r3pair             # the same, the two engines' rollout run in alternation
 #   bash bench/gpu_calls.sh r3stream           # NVFP4+LoRA against R3 as vLLM streams it, in alternation
+#   bash bench/gpu_calls.sh r3pair12           # batches 256 and 64 only: 12 pairs, 256 generated tokens
 #   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse (trainer_qwen: Qwen3-MoE)
 #   bash bench/gpu_calls.sh trainer32          # the same at 32k-token micro-batches: memory budget 0.5, AC on
 #   bash bench/gpu_calls.sh trainer32off       # ... AC off, memory budget 0.25
 #   bash bench/gpu_calls.sh lora_experts       # the trainer's compute alone (bench/lora_experts.py), no kit
+#   bash bench/gpu_calls.sh lora_experts_ac    # ... compiled layers: whole-layer AC, budget 0.5, none
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
 #   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows; the 20-step GRPO run
 #
@@ -22,6 +24,8 @@
 # processes building the same model folder at once would collide):
 #   CUDA_VISIBLE_DEVICES=0 bash bench/gpu_calls.sh r3pair & CUDA_VISIBLE_DEVICES=1 BENCH_ROOT=/tmp/sb1 \
 #     bash bench/gpu_calls.sh trainer & wait
+# Only for GPU-bound calls (trainer, lora_experts): rollout and sync are paced by the host, and beside
+# another call's engine start the sync's export ran 7x slower and the R3 pairs drifted (docs/benchmarks.md).
 set -uo pipefail
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT0="${OUT:-./bench_out}"
@@ -62,6 +66,11 @@ for call in "$@"; do
     bench muse_r3pair --models muse --only build,rollout,kl --engines nvfp4_lora,nvfp4_lora_r3 \
       --rollout-pair nvfp4_lora,nvfp4_lora_r3 --budget-s 470
     ;;
+  r3pair12)
+    bench muse_r3pair12 --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3 \
+      --rollout-pair nvfp4_lora,nvfp4_lora_r3 --pair-repeats 12 --output-len 256 --batch-sizes 256,64 \
+      --budget-s 470
+    ;;
   r3stream)
     bench muse_r3stream --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3_stream \
       --rollout-pair nvfp4_lora,nvfp4_lora_r3_stream --budget-s 330
@@ -89,6 +98,13 @@ for call in "$@"; do
       --compile none,layers >"$OUT0/lora_experts/stdout.txt" 2>&1
     echo "== lora_experts rc=$?"
     grep -E 'tok/s' "$OUT0/lora_experts/log.txt"
+    ;;
+  lora_experts_ac)
+    mkdir -p "$OUT0/lora_experts_ac"
+    OUT="$OUT0/lora_experts_ac" python3 -m bench.lora_experts --models muse --paths grouped --ac on,0.5,off \
+      --compile layers --steps 3 --warmup 2 >"$OUT0/lora_experts_ac/stdout.txt" 2>&1
+    echo "== lora_experts_ac rc=$?"
+    grep -E 'tok/s' "$OUT0/lora_experts_ac/log.txt"
     ;;
   bf16)
     bench muse_bf16 --models muse --only build,rollout,kl --engines bf16 --budget-s 260

@@ -109,7 +109,7 @@ def sweep_pair(
     model: dict,
     args,
     adapter: tuple[dict, dict] | None,
-    repeats: int = REPEATS + REPEATS % 2,  # even: as many pairs in each order
+    repeats: int = REPEATS + REPEATS % 2,  # even: as many pairs in each order (run_all: --pair-repeats)
 ) -> Iterator[dict]:
     """Rows in bench/rollout.py's format for both engines (their own medians), plus, on the other engine's
     rows, `paired_cost` (its cost relative to the base engine) and the per-pair figures; yielded per batch

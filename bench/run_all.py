@@ -38,6 +38,8 @@ DEFAULTS = {
     "max_num_seqs": (256, 16),
     "max_model_len": (2048, 256),
     "sync_repeats": (3, 1),
+    # timed runs per engine and batch size in --rollout-pair (rounded up to even: as many in each order)
+    "pair_repeats": (6, 2),
     # ~37k response tokens on the GPU: routing flips are rare, and 4.7k tokens left R3 on/off within noise
     "kl_prompts": (512, 4),
     "kl_n": (4, 2),
@@ -313,7 +315,9 @@ class ModelRun:
         log(f"model {self.name}: rollout of {base} and {other} in alternation")
         need_adapter = any(engines.CONFIGS[k].lora for k in (base, other))
         try:
-            for row in sweep_pair(base, other, self.model, self.args, self.adapter if need_adapter else None):
+            adapter = self.adapter if need_adapter else None
+            repeats = self.args.pair_repeats + self.args.pair_repeats % 2
+            for row in sweep_pair(base, other, self.model, self.args, adapter, repeats):
                 self.res["rollout"].add(model=self.name, **row)
         except Exception as e:  # noqa: BLE001 - the rows written so far stay
             for key in (base, other):

@@ -3,7 +3,8 @@
 One row per (rank, targets), the median of `repeats` syncs, each a new adapter version:
   export_s       trainer.export_adapter() as the driver sees it (gather to CPU + the process transfer);
   load_s         RolloutWorker.load_adapter(): PEFT -> vLLM layout, staged under /dev/shm, add_lora
-                 (eager load), old adapter removed, prefix cache reset;
+                 (eager load), old adapter removed, prefix cache reset; load_stage_s / load_engine_s
+                 split it into ours (conversion + write) and vLLM's, as the worker times them;
   first_token_s  a one-token generate on a fresh prompt with the new adapter;
   total_s        the three together; GB/s = staged bytes / total_s.
 `stage_s` times the layout conversion and the staged write alone (no engine), and `baseline_first_token_s`
@@ -26,9 +27,8 @@ CASES = ((8, "attn"), (8, "all"), (32, "attn"), (32, "all"))
 
 def stage_only(tensors: dict, config: dict) -> tuple[float, int]:
     """(seconds, bytes): what load_adapter does before vLLM sees the adapter, without an engine."""
-    from safetensors.torch import save_file
-
     from rollout.adapter_layout import peft_to_vllm
+    from rollout.safetensors_io import write_safetensors
     from rollout.staging import default_stage_root
 
     root = default_stage_root("bench-sync")
@@ -36,7 +36,7 @@ def stage_only(tensors: dict, config: dict) -> tuple[float, int]:
     with tempfile.TemporaryDirectory(dir=root) as d:
         t = time.perf_counter()
         converted, _ = peft_to_vllm(tensors, config)
-        save_file(converted, f"{d}/adapter_model.safetensors")
+        write_safetensors(f"{d}/adapter_model.safetensors", converted)
         seconds = time.perf_counter() - t
         size = sum(v.numel() * v.element_size() for v in converted.values())
     return seconds, size
@@ -72,7 +72,11 @@ def measure(
             m = worker.load_adapter(tensors, config, version0 + i)
             t3 = time.perf_counter()
             run.update(
-                load_s=t3 - t2, bytes=m["perf/sync_bytes"], first_token_s=_one_token(worker, 100 + i, vocab)
+                load_s=t3 - t2,
+                load_stage_s=m["perf/sync_stage_s"],  # conversion + staged write, in the engine's process
+                load_engine_s=m["perf/sync_engine_s"],  # vLLM: add_lora, old adapter out, cache reset
+                bytes=m["perf/sync_bytes"],
+                first_token_s=_one_token(worker, 100 + i, vocab),
             )
             run["total_s"] = run["export_s"] + run["load_s"] + run["first_token_s"]
             run["baseline_first_token_s"] = _one_token(worker, 200 + i, vocab)
@@ -83,7 +87,8 @@ def measure(
         row["gb_per_s"] = row["bytes"] / row["total_s"] / 1e9
         log(
             f"    sync {trainer}: {row['bytes'] / 1e6:.1f} MB in {row['total_s']:.3f}s "
-            f"(export {row['export_s']:.3f}, load {row['load_s']:.3f}, "
+            f"(export {row['export_s']:.3f}, load {row['load_s']:.3f} = ours {row['load_stage_s']:.3f} + vLLM "
+            f"{row['load_engine_s']:.3f}, "
             f"first token {row['first_token_s']:.3f}) "
             f"= {row['gb_per_s']:.2f} GB/s"
         )

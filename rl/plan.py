@@ -499,9 +499,9 @@ def memory_budget(cfg) -> float:
 
 def _budget_floor(s: ModelShape, tokens: int, abytes: int) -> float:
     """What the partitioner keeps at any budget: the inputs of each compiled graph. A layer's first graph
-    starts from the layer input; in an MoE layer the expert function's graph break (trainer/lora_experts.py)
-    starts another from the routed copies of the tokens."""
-    return tokens * abytes * (s.num_layers * s.hidden + s.moe_layers * s.top_k * s.expert_width)
+    starts from the layer input; in an MoE layer the graph break where the expert LoRA factors are laid out
+    (trainer/lora_experts.py) starts another from the experts' input and the residual stream."""
+    return tokens * abytes * (s.num_layers * s.hidden + s.moe_layers * 2 * s.hidden)
 
 
 def trainer_activations(cfg, s: ModelShape, tokens: int, abytes: int) -> float:

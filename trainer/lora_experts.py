@@ -51,6 +51,10 @@ def _fits_grouped_mm(experts: nn.Module, rank: int) -> bool:
     return all(w % 8 == 0 for w in widths)
 
 
+# Outside any compiled graph (a graph break, not a host sync): inside one, inductor lays the permuted copy
+# of B out in its source's stride order (expert axis innermost), which grouped_mm rejects ("Invalid
+# strides/sizes"; seen with a whole Muse layer compiled on CPU). Eager, B is the contiguous copy asked for.
+@torch.compiler.disable
 def _factors(wrapper: ParamWrapper, adapter: str, dtype: torch.dtype):
     """(A [E, r, in], B [E, out, r], scaling) from PEFT's lora_A [r * E, in] (expert-major rows) and
     lora_B [out, r * E] (expert-minor columns)."""
@@ -89,11 +93,10 @@ def grouped_lora_experts_forward(
     num_tokens, k = top_k_index.shape
     expert_ids, order = torch.sort(top_k_index.reshape(-1))
     x = hidden_states[order // k]  # [T * k, H], grouped by expert
-    # bincount's data-dependent output shape breaks a torch.compile graph here. A fixed-size scatter-add
-    # would not, but then inductor picks the layout of the [E, out, r] B factors inside the graph and hands
-    # grouped_mm strides it rejects (seen on CPU); the break keeps them as materialised inputs.
-    counts = torch.bincount(expert_ids, minlength=experts.num_experts)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    # Group ends from the sorted ids: fixed size [E], computed on the device. (bincount's output size
+    # depends on the largest id, so it waited for the device in every layer and broke the compiled graph.)
+    bounds = torch.arange(experts.num_experts, device=expert_ids.device, dtype=expert_ids.dtype)
+    offsets = torch.searchsorted(expert_ids, bounds, right=True, out_int32=True)
 
     h = _lora_linear(x, experts.gate_up_proj, offsets, factors.get("gate_up_proj"))
     h = experts._apply_gate(h)

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from rl.models.tiny import make_tiny
 from rollout.adapter_layout import (
     AdapterLayoutError,
+    _scaled,
     lora_delta,
     merged_to_checkpoint,
     peft_to_vllm,
     sibling_prefix,
     split_fused_lora,
 )
+from rollout.safetensors_io import write_safetensors
 
 E, H, INTER, LAYERS = 8, 128, 64, 4
 
 
-def _peft_moe(target_parameters, rank=4, alpha=8.0, use_rslora=False, seed=0):
+def _peft_moe(target_parameters, rank=4, alpha=8.0, use_rslora=False, seed=0, rank_pattern=None):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -29,6 +33,7 @@ def _peft_moe(target_parameters, rank=4, alpha=8.0, use_rslora=False, seed=0):
         use_rslora=use_rslora,
         target_modules=["q_proj", "v_proj"],
         target_parameters=target_parameters,
+        rank_pattern=rank_pattern or {},
     )
     peft_model = get_peft_model(model, config)
     torch.manual_seed(seed)
@@ -127,6 +132,84 @@ def test_split_fused_lora_indexing():
     assert a3.shape == (3, 2, 5) and b3.shape == (3, 7, 2) and a3.is_contiguous() and b3.is_contiguous()
     assert [a3[e][:, 0].tolist() for e in range(experts)] == [[0, 1], [2, 3], [4, 5]]
     assert [b3[e][0].tolist() for e in range(experts)] == [[0, 3], [1, 4], [2, 5]]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.itemsize])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scaling_in_one_pass_is_bitwise_the_float32_route(dtype):
+    """`_scaled` (one multiply in the input dtype) equals the former `(b.float() * scale).to(dtype)`."""
+    rank, experts, out = 6, 8, 63  # 63 rows: the vectorised kernels also run their scalar tail
+    b = (torch.randn(out, rank * experts, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    b[0, :4] = torch.tensor([0.0, -0.0, 1e-7, 6e4])  # signed zeros, an fp16 subnormal, fp16 overflow at x2
+    for scale in (2.0, 0.5, 1.0, 1 / 3, 16 / math.sqrt(6), 7.3):
+        want = (b.float() * scale).to(dtype)
+        assert torch.equal(_bits(_scaled(b, scale)), _bits(want))
+        _, b3 = split_fused_lora(torch.zeros(rank * experts, 5, dtype=dtype), b, rank, scale)
+        assert torch.equal(_bits(b3), _bits(want.reshape(out, rank, experts).permute(2, 0, 1)))
+
+
+def _reference_vllm_layout(tensors: dict, cfg: dict) -> dict:
+    """The conversion as it was before the per-expert views (an independent copy per key, B scaled in
+    float32), written from PEFT's ParamWrapper layout (expert e: A rows e*r.., B columns e, e+E, ..) rather
+    than from split_fused_lora. The inner wrapper (`experts.base_layer`) is gate_up_proj here."""
+    out = {}
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            continue
+        b = tensors[key.replace(".lora_A.", ".lora_B.")]
+        module = key.split(".lora_A.")[0]
+        rank = a.shape[0] // E if ".experts" in module else a.shape[0]
+        b = (b.float() * (cfg["lora_alpha"] / rank)).to(b.dtype)
+        if ".experts" not in module:
+            out[f"{module}.lora_A.weight"], out[f"{module}.lora_B.weight"] = a.clone(), b
+            continue
+        projections = ("gate_proj", "up_proj") if module.endswith(".base_layer") else ("down_proj",)
+        module = module.removesuffix(".base_layer")
+        width = b.shape[0] // len(projections)
+        for e in range(E):
+            for i, proj in enumerate(projections):
+                out[f"{module}.{e}.{proj}.lora_A.weight"] = a[e * rank : (e + 1) * rank].clone()
+                out[f"{module}.{e}.{proj}.lora_B.weight"] = b[i * width : (i + 1) * width, e::E].clone()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# PEFT warns that a rank_pattern key naming a parameter matched no module, and applies it all the same.
+@pytest.mark.filterwarnings("ignore:The following rank_pattern keys did not match")
+def test_staged_file_is_bitwise_the_per_expert_copies(dtype, tmp_path):
+    """peft_to_vllm's views written by write_safetensors read back (safetensors' own reader) as exactly the
+    independent per-expert tensors the conversion produced before, rank pattern included."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    peft_model, config = _peft_moe(
+        ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        seed=2,
+        rank_pattern={"mlp.experts.down_proj": 2, "v_proj": 8},
+    )
+    tensors, cfg = _saved(peft_model, config)
+    tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    out, vllm_cfg = peft_to_vllm(tensors, cfg)
+    path = tmp_path / "adapter_model.safetensors"
+    assert write_safetensors(path, out) == path.stat().st_size
+    got, want = load_file(str(path)), _reference_vllm_layout(tensors, cfg)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key].dtype == dtype and got[key].shape == value.shape, key
+        assert torch.equal(_bits(got[key]), _bits(value)), key
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"} and set(f.keys()) == set(want)
+    # The comparison is sensitive to a swap: gate and up (and two experts) hold different values.
+    pre = "base_model.model.model.layers.1.mlp.experts"
+    assert not torch.equal(want[f"{pre}.3.gate_proj.lora_B.weight"], want[f"{pre}.3.up_proj.lora_B.weight"])
+    assert not torch.equal(want[f"{pre}.3.down_proj.lora_A.weight"], want[f"{pre}.4.down_proj.lora_A.weight"])
+    assert got[f"{pre}.0.down_proj.lora_A.weight"].shape == (2, INTER) and vllm_cfg["r"] == 8
+    if dtype == torch.float32:  # and the file's deltas are PEFT's own, rank pattern included
+        down = _wrappers(peft_model, 1)["down_proj"].get_delta_weight("default")
+        torch.testing.assert_close(lora_delta(got, f"{pre}.5", "down_proj"), down[5], rtol=1e-5, atol=1e-6)
 
 
 def test_in_memory_adapter_names_and_numpy_are_accepted(moe_both):

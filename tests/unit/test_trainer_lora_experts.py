@@ -97,3 +97,38 @@ def test_ranks_the_grouped_kernel_cannot_take_keep_peft():
     model = apply_lora(base, LoraSpec(rank=4, alpha=8.0), seed=0)
     wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
     assert wrappers and not any(isinstance(m, GroupedLoraExperts) for m in wrappers)
+
+
+def test_expert_function_traces_as_one_graph_without_data_dependent_shapes():
+    """The expert function must not wait for the device: an op whose output size depends on the routed ids
+    (bincount did) is a host sync in every MoE layer on the GPU and a graph break under torch.compile. dynamo's
+    explain on the real function, in bf16 (grouped_mm traces bf16 only), counts the breaks."""
+    import torch._dynamo
+
+    from trainer.lora_experts import grouped_lora_experts_forward
+
+    base = _pair("qwen3_moe")[1].base_model.model
+    experts_module = next(m for m in base.modules() if isinstance(m, GroupedLoraExperts))
+    experts = experts_module.base_layer.base_layer.to(torch.bfloat16)
+    tokens, hidden, k = 12, experts.gate_up_proj.shape[-1], 2
+    r, e = 8, experts.num_experts
+    g = torch.Generator().manual_seed(0)
+    factors = {
+        "gate_up_proj": (
+            torch.randn(e, r, hidden, generator=g).bfloat16(),
+            torch.randn(e, experts.gate_up_proj.shape[1], r, generator=g).bfloat16(),
+            2.0,
+        ),
+        "down_proj": (
+            torch.randn(e, r, experts.down_proj.shape[-1], generator=g).bfloat16(),
+            torch.randn(e, hidden, r, generator=g).bfloat16(),
+            2.0,
+        ),
+    }
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g).bfloat16()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(grouped_lora_experts_forward)(experts, factors, x, idx, weights)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
