@@ -162,10 +162,16 @@ class RolloutPool:
 
     @staticmethod
     def _sync_metrics(per_worker: list[dict], start: float) -> dict:
-        return {
+        out = {
             "perf/sync_bytes": sum(m["perf/sync_bytes"] for m in per_worker),
             "perf/sync_s": time.perf_counter() - start,
         }
+        # The slowest worker's split of its load (ours: conversion + staged write; vLLM's): where a slow
+        # sync spends its time.
+        for key in ("perf/sync_stage_s", "perf/sync_engine_s"):
+            if all(key in m for m in per_worker):
+                out[key] = max(m[key] for m in per_worker)
+        return out
 
     def sleep(self, level: int = 1) -> None:
         self._call("sleep", [(level,)] * self.num_workers)

@@ -166,3 +166,17 @@ def test_pool_of_two_engines_survives_a_worker_killed_mid_batch(tmp_path):
         assert s.response_ids == r.response_ids
         np.testing.assert_allclose(s.response_logprobs, r.response_logprobs, atol=1e-4)
     pool.shutdown()
+
+
+def test_sync_metrics_sum_bytes_and_report_the_slowest_workers_split():
+    from rollout.pool import RolloutPool
+
+    per_worker = [
+        {"perf/sync_bytes": 10, "perf/sync_s": 1.0, "perf/sync_stage_s": 0.2, "perf/sync_engine_s": 0.7},
+        {"perf/sync_bytes": 10, "perf/sync_s": 1.2, "perf/sync_stage_s": 0.4, "perf/sync_engine_s": 0.5},
+    ]
+    m = RolloutPool._sync_metrics(per_worker, time.perf_counter())
+    assert m["perf/sync_bytes"] == 20 and 0 <= m["perf/sync_s"] < 1
+    assert (m["perf/sync_stage_s"], m["perf/sync_engine_s"]) == (0.4, 0.7)
+    # a worker that does not split its time (merged sync on an older worker): no split reported
+    assert "perf/sync_stage_s" not in RolloutPool._sync_metrics([per_worker[0], {"perf/sync_bytes": 1}], 0.0)
