@@ -33,19 +33,15 @@ vLLM's model loaders read checkpoint names, which for these models are per exper
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 PEFT_PREFIX = "base_model.model."
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -77,17 +73,6 @@ def _to_torch(x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu()
     raise AdapterLayoutError(f"adapter tensors must be torch.Tensor or numpy arrays, got {type(x).__name__}")
-
-
-def read_peft_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, adapter_config) of a PEFT adapter directory (`save_pretrained` output)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        if not (path / name).is_file():
-            raise AdapterLayoutError(f"adapter directory {path} has no {name}")
-    return load_file(str(path / ADAPTER_WEIGHTS)), json.loads((path / ADAPTER_CONFIG).read_text())
 
 
 def _scaling(peft_config: dict, rank: int) -> float:

@@ -17,15 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rl.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft_dir
 from rl.batch import Sample
-from rollout.adapter_layout import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    merged_to_checkpoint,
-    peft_to_vllm,
-    read_peft_dir,
-    sibling_prefix,
-)
+from rollout.adapter_layout import merged_to_checkpoint, peft_to_vllm, sibling_prefix
 from rollout.safetensors_io import write_safetensors
 from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
 from rollout.staging import StageDir, dir_bytes

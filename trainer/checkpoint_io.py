@@ -15,13 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from rl.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.paths import cache_dir
 from trainer.nvfp4 import dequantize_nvfp4, is_nvfp4_checkpoint
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 def dequantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
@@ -99,11 +97,3 @@ def write_adapter(directory: str | os.PathLike, tensors: dict[str, torch.Tensor]
     _atomic(directory / ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     atomic_write_json(config, directory / ADAPTER_CONFIG)
     return directory
-
-
-def read_adapter(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
-    directory = Path(directory)
-    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-        if not (directory / name).exists():
-            raise FileNotFoundError(f"{directory} is not a PEFT adapter directory: no {name}")
-    return load_file(directory / ADAPTER_WEIGHTS), json.loads((directory / ADAPTER_CONFIG).read_text())

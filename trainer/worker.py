@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from rl import algo
+from rl.adapter_files import read_peft_dir
 from rl.batch import Sample
 from rl.compat import hf_checkpoint_state_dict
 from trainer import checkpoint_io, lora, sharded_load
@@ -410,7 +411,7 @@ class TrainerWorker:
 
     def load_adapter(self, directory: str) -> None:
         """Loads a PEFT adapter written by `export_adapter`/`save_checkpoint` (same targets and rank)."""
-        tensors, _ = checkpoint_io.read_adapter(directory)
+        tensors, _ = read_peft_dir(directory)
         expected = {lora.peft_key(k): v for k, v in self._lora_fqns().items()}
         lora.check_adapter(expected, tensors, f"adapter {directory}")
         by_peft = {lora.peft_key(k): k for k in self._lora_fqns()}

@@ -7,9 +7,10 @@ import pytest
 import torch
 from peft import PeftModel, get_peft_model_state_dict
 
+from rl.adapter_files import read_peft_dir
 from rl.compat import hf_checkpoint_state_dict
 from rl.models.tiny import make_tiny
-from trainer.checkpoint_io import read_adapter, write_adapter
+from trainer.checkpoint_io import write_adapter
 from trainer.lora import apply_lora, check_adapter, lora_config, lora_layout, merge_lora, peft_config_dict
 from trainer.spec import LoraSpec
 from trainer.testing import random_samples, reference_logprobs
@@ -94,4 +95,4 @@ def test_mismatched_adapter_is_named(model, tmp_path):
     with pytest.raises(
         FileNotFoundError, match="is not a PEFT adapter directory: no adapter_model.safetensors"
     ):
-        read_adapter(tmp_path)
+        read_peft_dir(tmp_path)
