@@ -65,10 +65,21 @@ def capture_sizes(batch_sizes: list[int], max_num_seqs: int) -> list[int]:
     return sorted({b for b in batch_sizes if b <= max_num_seqs} | set(powers))
 
 
-def engine_spec(cfg: EngineConfig, model: dict, args, graphs: str):
+def engine_spec(cfg: EngineConfig, model: dict, args, graphs: str, profile_dir: str | None = None):
     from rollout.spec import EngineSpec
 
     extra = {}
+    if profile_dir:
+        # vLLM's torch profiler, in the engine's own process (where the scheduler and the model run);
+        # `LLM.start_profile()` / `stop_profile()` bracket what it records, and stop writes a table of
+        # device time per op to profile_dir/profiler_out_0.txt (and the trace beside it).
+        extra["profiler_config"] = {
+            "profiler": "torch",
+            "torch_profiler_dir": profile_dir,
+            "torch_profiler_with_stack": False,
+            "torch_profiler_use_gzip": True,
+            "torch_profiler_dump_cuda_time_total": not args.tiny,  # a CUDA column only where there is CUDA
+        }
     if graphs == "full_decode":
         extra["compilation_config"] = {
             "mode": 0,
@@ -92,8 +103,9 @@ def engine_spec(cfg: EngineConfig, model: dict, args, graphs: str):
     )
 
 
-def open_engine(cfg: EngineConfig, model: dict, args, stage_root: Path):
-    """(RolloutWorker, info); info: graphs used, start seconds, LoRA rank, and the error that forced a fallback."""
+def open_engine(cfg: EngineConfig, model: dict, args, stage_root: Path, profile_dir: str | None = None):
+    """(RolloutWorker, info); info: graphs used, start seconds, LoRA rank, and the error that forced a fallback.
+    profile_dir: vLLM's profiler configured to write there (bench/paired.py's --rollout-profile)."""
     import rl.models.muse  # noqa: F401 - RolloutWorker reads config.json through AutoConfig before vLLM loads
     from rollout.worker import RolloutWorker
 
@@ -102,7 +114,7 @@ def open_engine(cfg: EngineConfig, model: dict, args, stage_root: Path):
     for graphs in modes:
         t = time.time()
         try:
-            worker = RolloutWorker(engine_spec(cfg, model, args, graphs), stage_root)
+            worker = RolloutWorker(engine_spec(cfg, model, args, graphs, profile_dir), stage_root)
         except Exception as e:  # noqa: BLE001 - record it and retry without graphs
             if graphs == modes[-1]:
                 raise

@@ -8,6 +8,7 @@
 #   bash bench/gpu_calls.sh r3pair             # the same, the two engines' rollout run in alternation
 #   bash bench/gpu_calls.sh r3stream           # NVFP4+LoRA against R3 as vLLM streams it, in alternation
 #   bash bench/gpu_calls.sh r3pair12           # batches 256 and 64 only: 12 pairs, 256 generated tokens
+#   bash bench/gpu_calls.sh r3profile          # batch 256 in alternation, then one batch each profiled
 #   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse (trainer_qwen: Qwen3-MoE)
 #   bash bench/gpu_calls.sh trainer32          # the same at 32k-token micro-batches: memory budget 0.5, AC on
 #   bash bench/gpu_calls.sh trainer32off       # ... AC off, memory budget 0.25
@@ -39,6 +40,8 @@ bench() {  # bench NAME ARGS...: one bench.run_all process writing $OUT0/NAME
   grep -E '^\[' "$OUT0/$name/log.txt" | tail -40
   # One archive per call: the device returns only so many files from $OUT (a whole folder of JSON was
   # left behind once). bench.summarize reads the archives as they are.
+  # Profiler traces of a whole batch run to hundreds of MB: the tables beside them stay.
+  find "$OUT0/$name" -name '*.trace.json.gz' -size +20M -delete
   tar czf "$OUT0/$name.tgz" -C "$OUT0" "$name" && rm -rf "${OUT0:?}/$name"
 }
 
@@ -70,6 +73,11 @@ for call in "$@"; do
     bench muse_r3pair12 --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3 \
       --rollout-pair nvfp4_lora,nvfp4_lora_r3 --pair-repeats 12 --output-len 256 --batch-sizes 256,64 \
       --budget-s 470
+    ;;
+  r3profile)
+    bench muse_r3profile --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3 \
+      --rollout-pair nvfp4_lora,nvfp4_lora_r3 --pair-repeats 6 --output-len 256 --batch-sizes 256 \
+      --rollout-profile --budget-s 470
     ;;
   r3stream)
     bench muse_r3stream --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3_stream \

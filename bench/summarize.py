@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.trainer import ac_fields, parse_ac
 
-BENCHES = ("rollout", "sync", "trainer", "kl", "grpo", "lora_experts")
+BENCHES = ("rollout", "rollout_profile", "sync", "trainer", "kl", "grpo", "lora_experts")
 CONFIGS = ("bf16", "bf16_lora", "nvfp4_lora", "nvfp4_lora_r3")
 ROW_KEYS = ("model", "config", "row", "rank", "targets")  # what names a row in "Skipped or failed"
 GOALS = {"r3_cost": 0.03, "sync_share": 0.02, "mfu": 0.30, "k3": 1e-4}
@@ -377,6 +377,39 @@ def rollout_section(rows: list[dict], models: list[str]) -> list[str]:
     return out
 
 
+def profile_table(rows: list[dict]) -> list[str]:
+    """One batch per engine under vLLM's profiler (bench/paired.py --rollout-profile): a cost that shows in
+    device seconds is the device's; one that shows only in wall seconds is the host's."""
+    body = [
+        [
+            r["model"],
+            r["config"],
+            r["batch"],
+            r["output_len"],
+            fmt(r["seconds"], ".3f"),
+            fmt(r.get("device_s"), ".3f"),
+            fmt(r.get("device_ms_per_step"), ".2f"),
+            fmt(r.get("device_busy"), ".0%"),
+            fmt(r.get("host_ops_s"), ".3f"),
+        ]
+        for r in ok(rows)
+    ]
+    if not body:
+        return []
+    head = [
+        "model",
+        "engine",
+        "batch",
+        "tokens",
+        "wall s",
+        "device s",
+        "device ms/step",
+        "busy",
+        "host ops s",
+    ]
+    return ["One batch under vLLM's profiler (engine process):", "", *table(head, body), ""]
+
+
 def paired_table(rows: list[dict], model: str) -> list[str]:
     """Every pair of engines run in alternation (bench/paired.py), whatever the configurations."""
     paired = [r for r in ok(rows) if r["model"] == model and "paired_cost" in r and "paired_with" in r]
@@ -607,6 +640,7 @@ def render(dirs: list[Path], args) -> str:
         "",
         "### Rollout throughput",
         *rollout_section(rows["rollout"], models),
+        *profile_table(rows["rollout_profile"]),
         "### Adapter sync",
         *sync_section(rows["sync"], shares),
         "",

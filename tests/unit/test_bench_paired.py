@@ -95,3 +95,35 @@ def test_summary_reads_packed_calls(tmp_path):
     from_folder = summarize.render([call], REF)
     from_archive = summarize.render([tmp_path / "muse_r3pair.tgz"], REF)
     assert from_archive == from_folder and "| 256 | — | — | 1000 | 990 |" in from_archive
+
+
+def test_profile_totals_read_torchs_table_footer():
+    """The footer torch's key_averages().table() ends with (units as its _format_time writes them)."""
+    from bench.paired import profile_totals
+
+    table = "Name  Self CPU %\n------\naten::mm  12.0%\n------\nSelf CPU time total: 56.101ms\nSelf CUDA time total: 4.250s\n"
+    assert profile_totals(table) == {"host_ops_s": pytest.approx(0.056101), "device_s": pytest.approx(4.25)}
+    assert profile_totals("Self CPU time total: 812.500us\n") == {"host_ops_s": pytest.approx(8.125e-4)}
+    assert profile_totals("") == {}
+
+
+def test_rollout_profile_needs_a_pair_and_its_rows_get_their_own_table(tmp_path):
+    with pytest.raises(SystemExit):
+        parse_args(["--tiny", "--rollout-profile"])
+    assert parse_args(["--tiny", "--rollout-pair", "bf16,nvfp4_lora_r3", "--rollout-profile"]).rollout_profile
+    res = Results(tmp_path, "rollout_profile")
+    for config, device_s in (("nvfp4_lora", 3.0), ("nvfp4_lora_r3", 3.3)):
+        res.add(
+            model="muse",
+            config=config,
+            batch=256,
+            output_len=256,
+            seconds=4.0,
+            tokens_per_s=16384.0,
+            host_ops_s=1.0,
+            device_s=device_s,
+            device_ms_per_step=1000 * device_s / 256,
+            device_busy=device_s / 4.0,
+        )
+    md = summarize.render([tmp_path], REF)
+    assert "| muse | nvfp4_lora_r3 | 256 | 256 | 4.000 | 3.300 | 12.89 | 82% | 1.000 |" in md
