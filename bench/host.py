@@ -179,11 +179,18 @@ def profile_device(fn) -> dict:
         ops = [e for e in events if str(e.device_type) == "DeviceType.CPU"]
     busy_us = sum(getattr(e, device, 0) for e in kernels)
     top = sorted(ops, key=lambda e: getattr(e, device, 0), reverse=True)[:20]
+    # Where the host's time goes when the device waits: ops by their own CPU time (dispatch, guards, hooks
+    # show as the ops they run; what is left of the wall time is Python between ops).
+    host = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
     return {
         "wall_s": wall,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "device_busy_s": busy_us / 1e6,
         "device_busy_fraction": busy_us / 1e6 / wall if wall else None,
+        "host_ops_s": sum(e.self_cpu_time_total for e in ops) / 1e6,
+        "top_host_ops": [
+            {"name": e.key[:120], "calls": e.count, "cpu_ms": e.self_cpu_time_total / 1e3} for e in host
+        ],
         "top_ops": [
             {
                 "name": e.key[:120],
@@ -227,6 +234,9 @@ def train_bench(name: str, samples, warmup: int, steps: int, profile: bool = Fal
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     if profile:
         out["profile"] = profile_device(lambda: w.train_step(samples, adv, old))
+        # The forward alone ran at a third of the train step's MFU on the H200 (fifth session): its own
+        # profile says whether the device or the host paces it.
+        out["profile_log_probs"] = profile_device(lambda: w.log_probs(samples))
     return out
 
 

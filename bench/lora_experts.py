@@ -142,7 +142,12 @@ def run_one(model_name, path, ac, compile, args, mesh, device, rate) -> dict:
 
 def _log_row(tag: str, row: dict) -> None:
     prof = row.get("profile")
-    busy = f", device busy {prof['device_busy_fraction']:.0%}" if prof else ""
+    busy = (
+        f", device busy {prof['device_busy_fraction']:.0%}, host ops {prof['host_ops_s']:.2f}s of "
+        f"{prof['wall_s']:.2f}s"
+        if prof
+        else ""
+    )
     peak = f", peak {row['peak_allocated_gib']:.1f} GiB" if row["peak_allocated_gib"] else ""
     log(
         f"{tag}: {row['tokens_per_s']:.0f} tok/s, MFU(6N) {row['mfu_6n']:.1%}, (4N) {row['mfu_4n']:.1%}"

@@ -7,7 +7,7 @@ LoRA (rank 32, attention + experts (+ Muse latent)), torch.compile per layer (th
 the first steps compile), activation checkpointing on, off or a memory budget (`--train-ac on,off,0.5`: a
 number is trainer.activation_memory_budget, the compiler's recomputation instead of whole-layer
 checkpointing) and micro-batches of `--train-micro-tokens` tokens (a sweep: one row each; the first row
-also profiles one step).
+also profiles one step and one log-probs pass: device busy share, top device ops, top host ops).
 
 MFU: FLOPs / seconds / the bf16 matmul rate measured on the same GPU (8192^3 GEMMs), FLOPs counted on
 active parameters N (routed experts at top_k / num_experts, embeddings excluded, attention scores and
@@ -162,11 +162,15 @@ def run(
         "log_probs_mfu_2n": 2 * n * tokens / r["log_probs_s"] / rate,
         **r,
     }
-    if "profile" in r:
-        p = r["profile"]
+    for key, what in (("profile", "train step"), ("profile_log_probs", "log-probs")):
+        if key not in r:
+            continue
+        p = r[key]
         top = ", ".join(f"{o['name'][:40]} {o['device_ms']:.0f}ms" for o in p["top_ops"][:5])
+        host = ", ".join(f"{o['name'][:40]} {o['cpu_ms']:.0f}ms" for o in p.get("top_host_ops", [])[:5])
         log(
-            f"    profile: device busy {p['device_busy_fraction'] or 0:.0%} of {p['wall_s']:.2f}s; top: {top}"
+            f"    profile {what}: device busy {p['device_busy_fraction'] or 0:.0%} of {p['wall_s']:.2f}s; "
+            f"top: {top}; host ops {p.get('host_ops_s', 0):.2f}s: {host}"
         )
     log(
         f"    trainer (micro-batch {micro_batch_tokens} tokens, {ac_tag(ac)}, compile {compile}): "
