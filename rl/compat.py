@@ -30,8 +30,7 @@ def set_activation_memory_budget(budget: float) -> float:
     returns the previous value. A private, process-global torch config in 2.11 and 2.13 alike, read when a
     graph is compiled: lazily, at a module's first call and at every recompile, so a scoped
     `torch._functorch.config.patch` around `compile()` would be gone by then. torch 2.13's scoped
-    `torch.autograd.graph.region_activation_memory_budget` is not in 2.11, and must cover every op of a
-    graph, which the graph breaks inside a layer make awkward."""
+    `torch.autograd.graph.region_activation_memory_budget` is not in 2.11."""
     import torch._functorch.config as functorch_config
 
     previous = functorch_config.activation_memory_budget

@@ -498,10 +498,9 @@ def memory_budget(cfg) -> float:
 
 
 def _budget_floor(s: ModelShape, tokens: int, abytes: int) -> float:
-    """What the partitioner keeps at any budget: the inputs of each compiled graph. A layer's first graph
-    starts from the layer input; in an MoE layer the graph break where the expert LoRA factors are laid out
-    (trainer/lora_experts.py) starts another from the experts' input and the residual stream."""
-    return tokens * abytes * (s.num_layers * s.hidden + s.moe_layers * 2 * s.hidden)
+    """What the partitioner keeps at any budget: the inputs of each compiled graph, one per decoder layer
+    (trainer/lora_experts.py keeps the MoE block in it): the layer input."""
+    return tokens * abytes * s.num_layers * s.hidden
 
 
 def trainer_activations(cfg, s: ModelShape, tokens: int, abytes: int) -> float:

@@ -51,10 +51,31 @@ def _fits_grouped_mm(experts: nn.Module, rank: int) -> bool:
     return all(w % 8 == 0 for w in widths)
 
 
-# Outside any compiled graph (a graph break, not a host sync): inside one, inductor lays the permuted copy
-# of B out in its source's stride order (expert axis innermost), which grouped_mm rejects ("Invalid
-# strides/sizes"; seen with a whole Muse layer compiled on CPU). Eager, B is the contiguous copy asked for.
-@torch.compiler.disable
+@torch.library.custom_op("sparkrl::expert_lora_b", mutates_args=())
+def expert_lora_b(lora_b: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """PEFT's lora_B [out, r * E] (expert-minor columns) as a contiguous [E, out, r] stack.
+
+    A custom op so that torch.compile keeps it opaque: inductor lays out an op's output as its fake function
+    says (contiguous here), where for the plain permute-and-copy it picked the source's stride order (expert
+    axis innermost), which grouped_mm rejects. With it the whole MoE layer traces as one graph."""
+    out, columns = lora_b.shape
+    return lora_b.reshape(out, columns // num_experts, num_experts).permute(2, 0, 1).contiguous()
+
+
+@expert_lora_b.register_fake
+def _(lora_b, num_experts):
+    out, columns = lora_b.shape
+    return lora_b.new_empty((num_experts, out, columns // num_experts))
+
+
+def _expert_lora_b_backward(ctx, grad):
+    experts, out, rank = grad.shape
+    return grad.permute(1, 2, 0).reshape(out, rank * experts), None
+
+
+expert_lora_b.register_autograd(_expert_lora_b_backward)
+
+
 def _factors(wrapper: ParamWrapper, adapter: str, dtype: torch.dtype):
     """(A [E, r, in], B [E, out, r], scaling) from PEFT's lora_A [r * E, in] (expert-major rows) and
     lora_B [out, r * E] (expert-minor columns)."""
@@ -62,8 +83,7 @@ def _factors(wrapper: ParamWrapper, adapter: str, dtype: torch.dtype):
     A = wrapper.lora_A[adapter].weight
     B = wrapper.lora_B[adapter].weight
     A = A.reshape(E, -1, A.shape[-1]).to(dtype)
-    B = B.reshape(B.shape[0], -1, E).permute(2, 0, 1).contiguous().to(dtype)
-    return A, B, wrapper.scaling[adapter]
+    return A, expert_lora_b(B.to(dtype), E), wrapper.scaling[adapter]
 
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -116,10 +116,9 @@ def test_small_model_trainer_by_hand(small_cfg):
 def test_memory_budget_applies_to_compiled_gpu_layers_only(small_cfg):
     work = 1024 * 2 * (6 * 64 + 2 * 64 + 2 * 32 + 2 * (64 + 3 * 32))
     rest = work + 1024 * 100 * (2 + 4 + 4)  # the computing layer and the logits, whatever is kept
-    # The graphs' inputs: each layer's input and, past the graph break before the expert function, the
-    # experts' input and the residual stream; a budget of 0.5 keeps them and half of what no checkpointing
-    # would add (3 layers' working sets).
-    floor = 1024 * 2 * (4 * 64 + 4 * 2 * 64)
+    # The graphs' inputs: each layer's input (a layer is one graph); a budget of 0.5 keeps them and half of
+    # what no checkpointing would add (3 layers' working sets).
+    floor = 1024 * 2 * 4 * 64
     budget = P.make_plan(small_cfg("trainer.activation_memory_budget=0.5"), gpu_gib=140)
     assert budget.t_activations == floor + 0.5 * (3 * work - floor) + rest
     no_ac = P.make_plan(small_cfg("trainer.activation_checkpointing=false"), gpu_gib=140)
