@@ -1,5 +1,5 @@
-"""A PEFT adapter directory (`save_pretrained`'s layout), read the same way by the trainer (resuming,
-`train.init_adapter`) and the rollout (`load_adapter` given a path)."""
+"""A PEFT adapter directory (`save_pretrained`'s layout), read the same way by the trainer (resuming from a
+checkpoint) and the rollout (`load_adapter` given a path, as evaluation does)."""
 
 from __future__ import annotations
 

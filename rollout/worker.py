@@ -172,6 +172,18 @@ def sampled_logprobs(token_ids, logprobs, where: str) -> np.ndarray:
     return out
 
 
+def _sync_metrics(path: Path, start: float, staged: float) -> dict:
+    """A sync's metrics: the staged bytes, and its time split into ours (layout conversion + staged write,
+    `start` to `staged`) and vLLM's (loading, old weights out, cache reset, `staged` to now)."""
+    end = time.perf_counter()
+    return {
+        "perf/sync_bytes": dir_bytes(path),
+        "perf/sync_s": end - start,
+        "perf/sync_stage_s": staged - start,
+        "perf/sync_engine_s": end - staged,
+    }
+
+
 class RolloutWorker:
     """Owns one vLLM engine. `stage_root`: the per-run staging directory (rollout.staging)."""
 
@@ -315,14 +327,7 @@ class RolloutWorker:
         if old_dir:
             self.stage.remove(old_dir)
         self.llm.reset_prefix_cache()
-        end = time.perf_counter()
-        return {
-            "perf/sync_bytes": dir_bytes(path),
-            "perf/sync_s": end - start,
-            # ours (layout conversion + staged write) against vLLM's (loading, cache reset)
-            "perf/sync_stage_s": staged - start,
-            "perf/sync_engine_s": end - staged,
-        }
+        return _sync_metrics(path, start, staged)
 
     def load_merged_weights(self, named_tensors: dict, version: int) -> dict:
         """Load merged weights (Hugging Face names; fused experts allowed) into the running engine."""
@@ -367,14 +372,7 @@ class RolloutWorker:
         if old_dir and old_dir != name:
             self.stage.remove(old_dir)
         self.llm.reset_prefix_cache()
-        end = time.perf_counter()
-        return {
-            "perf/sync_bytes": dir_bytes(path),
-            "perf/sync_s": end - start,
-            # ours (layout conversion + staged write) against vLLM's (loading, cache reset)
-            "perf/sync_stage_s": staged - start,
-            "perf/sync_engine_s": end - staged,
-        }
+        return _sync_metrics(path, start, staged)
 
     # ---- colocated placement ----------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
