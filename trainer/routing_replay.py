@@ -83,27 +83,14 @@ class RoutingReplay:
         first = self.routers[0]
         self.num_experts = int(first.num_experts)
         self.top_k = int(first.top_k)
-        self._ids: torch.Tensor | None = None
-        self._valid: torch.Tensor | None = None
-        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        for layer, router in enumerate(self.routers):
+            router.sparkrl_replay_layer = layer  # for error messages only
+            router.sparkrl_replay = None
+        self._handles = [r.register_forward_hook(_replay_hook) for r in self.routers]
 
     @property
     def num_layers(self) -> int:
         return len(self.routers)
-
-    def _hook(self, layer: int):
-        def hook(module, args, output):
-            if self._ids is None:
-                return output
-            ids = self._ids[:, layer]
-            if ids.shape[0] != output[0].shape[0]:
-                raise RuntimeError(
-                    f"routing replay: layer {layer} routes {output[0].shape[0]} rows but the replay plan has "
-                    f"{ids.shape[0]}"
-                )
-            return ROUTER_ADAPTERS[type(module)](module, output, ids.to(output[2].device), self._valid)
-
-        return hook
 
     @contextmanager
     def active(self, ids: torch.Tensor, valid: torch.Tensor) -> Iterator[None]:
@@ -112,11 +99,15 @@ class RoutingReplay:
                 f"routing replay: ids must be [N, {self.num_layers}, {self.top_k}] with valid [N], got "
                 f"{tuple(ids.shape)} and {tuple(valid.shape)}"
             )
-        self._ids, self._valid = ids.long(), valid.bool().to(ids.device)
+        ids, valid = ids.long(), valid.bool().to(ids.device)
+        for layer, router in enumerate(self.routers):
+            # Own storage per layer: a view's storage offset would be one more guarded size for dynamo.
+            router.sparkrl_replay = (ids[:, layer].contiguous(), valid)
         try:
             yield
         finally:
-            self._ids = self._valid = None
+            for router in self.routers:
+                router.sparkrl_replay = None
 
     def check(self, routed: np.ndarray, where: str) -> None:
         """A rollout's `routed_experts` must match this model's MoE layers, top-k and expert count."""
@@ -134,3 +125,19 @@ class RoutingReplay:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def _replay_hook(module: nn.Module, args, output):
+    # One hook for every router, reading its layer's ids from the module: compiled decoder layers share
+    # their graphs only if nothing layer-specific is a Python constant in them (a closure over the layer
+    # index made dynamo guard on it and compile every layer anew, minutes per step on the GPU).
+    replay = module.sparkrl_replay
+    if replay is None:
+        return output
+    ids, valid = replay
+    if ids.shape[0] != output[0].shape[0]:
+        raise RuntimeError(
+            f"routing replay: layer {module.sparkrl_replay_layer} routes {output[0].shape[0]} rows but the "
+            f"replay plan has {ids.shape[0]}"
+        )
+    return ROUTER_ADAPTERS[type(module)](module, output, ids.to(output[2].device), valid)
