@@ -33,6 +33,7 @@ class EngineConfig:
     lora: bool
     r3: bool
     routing_at_finish: bool = True  # R3 read once per sample (rollout/vllm_ext.py); False: vLLM's stream
+    lora_experts_stacked: bool = False  # expert LoRA in PEFT's stacked layout, split by vLLM (adapter sync)
 
 
 CONFIGS = {
@@ -44,6 +45,8 @@ CONFIGS = {
         EngineConfig("nvfp4_lora_r3", "nvfp4", lora=True, r3=True),
         # R3 as vLLM streams it (every decode step), for comparison with the scheduler sparkrl uses
         EngineConfig("nvfp4_lora_r3_stream", "nvfp4", lora=True, r3=True, routing_at_finish=False),
+        # the adapter shipped with stacked expert tensors (rollout/adapter_layout.py), for the sync rows
+        EngineConfig("nvfp4_lora_stacked", "nvfp4", lora=True, r3=False, lora_experts_stacked=True),
     )
 }
 
@@ -99,6 +102,7 @@ def engine_spec(cfg: EngineConfig, model: dict, args, graphs: str, profile_dir: 
         max_lora_rank=LORA_RANK,
         return_routed_experts=cfg.r3,
         routing_at_finish=cfg.routing_at_finish,
+        lora_experts_stacked=cfg.lora_experts_stacked,
         extra_engine_args=extra,
     )
 

@@ -8,14 +8,14 @@
 #   bash bench/gpu_calls.sh r3pair             # the same, the two engines' rollout run in alternation
 #   bash bench/gpu_calls.sh r3stream           # NVFP4+LoRA against R3 as vLLM streams it, in alternation
 #   bash bench/gpu_calls.sh r3pair12           # batches 256 and 64 only: 12 pairs, 256 generated tokens
-#   bash bench/gpu_calls.sh r3profile          # batch 256 in alternation, then one batch each profiled
+#   bash bench/gpu_calls.sh r3profile          # batch 256, 2 pairs in alternation, then one batch each profiled
 #   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse (trainer_qwen: Qwen3-MoE)
 #   bash bench/gpu_calls.sh trainer32          # the same at 32k-token micro-batches: memory budget 0.5, AC on
 #   bash bench/gpu_calls.sh trainer32off       # ... AC off, memory budget 0.25
 #   bash bench/gpu_calls.sh lora_experts       # the trainer's compute alone (bench/lora_experts.py), no kit
 #   bash bench/gpu_calls.sh lora_experts_ac    # ... compiled layers: whole-layer AC, budget 0.5, none
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
-#   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows; the 20-step GRPO run
+#   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows (both layouts); the 20-step GRPO run
 #
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
@@ -76,8 +76,8 @@ for call in "$@"; do
     ;;
   r3profile)
     bench muse_r3profile --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3 \
-      --rollout-pair nvfp4_lora,nvfp4_lora_r3 --pair-repeats 6 --output-len 256 --batch-sizes 256 \
-      --rollout-profile --budget-s 470
+      --rollout-pair nvfp4_lora,nvfp4_lora_r3 --pair-repeats 2 --output-len 256 --batch-sizes 256 \
+      --rollout-profile --budget-s 500
     ;;
   r3stream)
     bench muse_r3stream --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3_stream \
@@ -119,7 +119,9 @@ for call in "$@"; do
     bench muse_bf16_lora --models muse --only rollout --engines bf16_lora --budget-s 230
     ;;
   sync)
-    bench muse_sync --models muse --only build,sync --engines nvfp4_lora --budget-s 300
+    # per-expert adapter files, then the stacked layout vLLM splits itself (EngineSpec.lora_experts_stacked)
+    bench muse_sync --models muse --only build,sync --engines nvfp4_lora,nvfp4_lora_stacked \
+      --sync-cases 32:all,32:attn --sync-repeats 5 --budget-s 420
     ;;
   grpo)
     bench muse_grpo --models muse --only build,grpo --budget-s 420

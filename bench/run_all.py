@@ -234,6 +234,7 @@ class ModelRun:
         # cost, sync, the KL with R3), then the BF16 references. KL samples are scored as soon as taken.
         plan = {
             "nvfp4_lora": w & {"rollout", "sync"},
+            "nvfp4_lora_stacked": w & {"sync"},  # the same sync, expert LoRA in the stacked layout
             "nvfp4_lora_r3": w & {"rollout", "kl"},
             "bf16": w & {"rollout", "kl"},
             "bf16_lora": w & {"rollout"},
@@ -250,7 +251,7 @@ class ModelRun:
             if "kl" in uses:
                 self.kl_scores(key)
         if self.args.tiny and "sync" in w:
-            self.sync_rows(None)  # no MoE-LoRA engine on CPU: time the export and the staging alone
+            self.sync_rows(None, None)  # no MoE-LoRA engine on CPU: time the export and the staging alone
         if "trainer" in w:
             self.trainer_bench()
         for name in list(self.trainers):
@@ -286,7 +287,7 @@ class ModelRun:
             if "rollout" in uses:
                 self.rollout_rows(worker, info)
             if "sync" in uses:
-                self.sync_rows(worker)
+                self.sync_rows(worker, cfg.key)
             if "kl" in uses:
                 self.kl_samples(worker, cfg)
         except Exception as e:  # noqa: BLE001
@@ -331,7 +332,7 @@ class ModelRun:
             for key in (base, other):
                 self.res["rollout"].error(e, model=self.name, config=key)
 
-    def sync_rows(self, worker) -> None:
+    def sync_rows(self, worker, engine: str | None) -> None:
         from bench.sync import measure
 
         tags = {(8, "attn"): ("bf16_r8_attn", "bf16"), (32, "all"): ("main", "dq")}
@@ -355,7 +356,7 @@ class ModelRun:
                     model=self.name,
                     rank=rank,
                     targets=targets,
-                    engine="nvfp4_lora" if worker else None,
+                    engine=engine,
                     note="" if worker else "CPU: no MoE-LoRA engine",
                     **row,
                 )

@@ -284,12 +284,13 @@ def goals(rows: dict, models: list[str], args) -> list[str]:
             if r["model"] == m and r["rank"] == 32 and r["targets"] == "all" and r.get("total_s")
         ]
         if step and sync:
-            share = sync[0]["total_s"] / step
+            best = min(sync, key=lambda r: r["total_s"])  # over the adapter layouts measured
+            share = best["total_s"] / step
             body.append(
                 [
                     m,
                     "adapter sync <= 2 % of step (recipe step, modelled)",
-                    f"{share:.1%} ({sync[0]['total_s']:.2f} s of {step:.0f} s)",
+                    f"{share:.1%} ({best['total_s']:.2f} s of {step:.0f} s, {best.get('engine')})",
                     verdict(share <= GOALS["sync_share"]),
                 ]
             )
@@ -449,6 +450,7 @@ def sync_section(rows: list[dict], shares: dict[str, float | None]) -> list[str]
         body.append(
             [
                 r["model"],
+                r.get("engine") or "—",
                 r["rank"],
                 r["targets"],
                 fmt(r.get("bytes", r["raw_bytes"]) / 1e6, ".1f"),
@@ -466,6 +468,7 @@ def sync_section(rows: list[dict], shares: dict[str, float | None]) -> list[str]
     return table(
         [
             "model",
+            "engine",
             "rank",
             "targets",
             "MB",

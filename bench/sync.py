@@ -25,7 +25,7 @@ from bench.common import log
 CASES = ((8, "attn"), (8, "all"), (32, "attn"), (32, "all"))
 
 
-def stage_only(tensors: dict, config: dict) -> tuple[float, int]:
+def stage_only(tensors: dict, config: dict, stacked_experts: bool = False) -> tuple[float, int]:
     """(seconds, bytes): what load_adapter does before vLLM sees the adapter, without an engine."""
     from rollout.adapter_layout import peft_to_vllm
     from rollout.safetensors_io import write_safetensors
@@ -35,7 +35,7 @@ def stage_only(tensors: dict, config: dict) -> tuple[float, int]:
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as d:
         t = time.perf_counter()
-        converted, _ = peft_to_vllm(tensors, config)
+        converted, _ = peft_to_vllm(tensors, config, stacked_experts)
         write_safetensors(f"{d}/adapter_model.safetensors", converted)
         seconds = time.perf_counter() - t
         size = sum(v.numel() * v.element_size() for v in converted.values())
@@ -66,7 +66,8 @@ def measure(
             "export_inner_s": inner_s,
             "raw_bytes": sum(v.numel() * v.element_size() for v in tensors.values()),
         }
-        run["stage_s"], run["staged_tensor_bytes"] = stage_only(tensors, config)
+        stacked = worker is not None and worker.spec.lora_experts_stacked and worker.info.is_moe
+        run["stage_s"], run["staged_tensor_bytes"] = stage_only(tensors, config, stacked)
         if worker is not None:
             t2 = time.perf_counter()
             m = worker.load_adapter(tensors, config, version0 + i)

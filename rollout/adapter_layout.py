@@ -16,9 +16,12 @@ PEFT 0.21 `ParamWrapper` semantics (peft/tuners/lora/layer.py), with r the rank 
 the true input / output widths of the expert projection whatever the parameter's storage order;
 the delta of expert e is `scaling * B_e @ A_e` (`[out, in]`).
 
-vLLM 0.26 cannot load that 3D layout (its engine dies in `lora/layers/fused_moe.py`); it loads
-per-expert 2D keys `...mlp.experts.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight` with A `[r, in]`
-and B `[out, r]` (../shared/gpu/NOTES.md). `gate_up_proj` stacks gate then up along its output (see
+vLLM 0.26 loads that 3D layout only with `enable_mixed_moe_lora_format=True` on the engine and
+`is_3d_lora_weight=True` on the request (without them its engine dies in `lora/layers/fused_moe.py`); then
+`LoRAModelManager._convert_3d_to_2d_moe_lora` splits it per expert, in a few tensor ops per layer. That is
+`stacked_experts=True` below (EngineSpec.lora_experts_stacked). Otherwise it loads per-expert 2D keys
+`...mlp.experts.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight` with A `[r, in]` and B `[out, r]`
+(../shared/gpu/NOTES.md). `gate_up_proj` stacks gate then up along its output (see
 transformers' `Qwen3MoeExperts.forward`: `linear(x, gate_up_proj[e]).chunk(2)`), so its B splits in
 halves and both halves share A.
 
@@ -191,8 +194,14 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def peft_to_vllm(tensors: dict, peft_config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+def peft_to_vllm(
+    tensors: dict, peft_config: dict, stacked_experts: bool = False
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Convert a PEFT LoRA adapter to the layout vLLM loads: (tensors, adapter_config).
+
+    `stacked_experts`: fused expert parameters keep PEFT's 3D layout and keys (two A/B pairs per experts
+    module, B scaled), for an engine that converts them itself (see the module docstring): 4 tensors per MoE
+    layer instead of 6 per expert.
 
     Keys may carry PEFT's in-memory adapter name (`lora_A.default.weight`); the output uses saved names.
     Each B gets its module's scaling folded in (computed in float32 or wider, rounded once to the input
@@ -203,10 +212,12 @@ def peft_to_vllm(tensors: dict, peft_config: dict) -> tuple[dict[str, torch.Tens
     (`safetensors.torch.save_file` refuses tensors that share memory), and clone before changing one in place.
     """
     with _one_thread():
-        return _peft_to_vllm(tensors, peft_config)
+        return _peft_to_vllm(tensors, peft_config, stacked_experts)
 
 
-def _peft_to_vllm(tensors: dict, peft_config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+def _peft_to_vllm(
+    tensors: dict, peft_config: dict, stacked_experts: bool
+) -> tuple[dict[str, torch.Tensor], dict]:
     _check_supported(peft_config)
     groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for key, value in tensors.items():
@@ -244,10 +255,25 @@ def _peft_to_vllm(tensors: dict, peft_config: dict) -> tuple[dict[str, torch.Ten
             target_modules.add(module.rsplit(".", 1)[-1])
             max_rank = max(max_rank, rank)
             continue
-        for depth, param in _assign_fused(module, levels, fused).items():
+        assigned = _assign_fused(module, levels, fused)
+        if stacked_experts and sorted(assigned.values()) != ["down_proj", "gate_up_proj"]:
+            # vLLM's 3D reader finds the pair by position (`experts.base_layer` = gate_up_proj, `experts` =
+            # down_proj) and leaves a module with only one of them unadapted, silently.
+            raise AdapterLayoutError(
+                f"{module}: the stacked expert layout needs LoRA on both gate_up_proj and down_proj, the "
+                f"adapter has {sorted(assigned.values())}; load it per expert (lora_experts_stacked=False)"
+            )
+        for depth, param in assigned.items():
             a, b = levels[depth]["A"], levels[depth]["B"]
             rank = _fused_rank(module, param, a, peft_config)
             scale = _scaling(peft_config, rank)
+            if stacked_experts:
+                key = f"{module}.base_layer" if param == "gate_up_proj" else module
+                out[f"{key}.lora_A.weight"] = a.contiguous()
+                out[f"{key}.lora_B.weight"] = _scaled(b, scale)
+                target_modules.add(module.rsplit(".", 1)[-1])
+                max_rank = max(max_rank, rank)
+                continue
             projections = FUSED_EXPERT_PARAMS[param].projections
             if b.shape[0] % len(projections):
                 raise AdapterLayoutError(

@@ -27,6 +27,9 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     enable_lora: bool = False
     max_lora_rank: int = 16
+    # Expert LoRA shipped in PEFT's stacked 3D layout, which vLLM splits per expert itself (4 tensors per
+    # MoE layer instead of 6 per expert; rollout/adapter_layout.py). Off until measured on the GPU (issue 11).
+    lora_experts_stacked: bool = False
     return_routed_experts: bool = False  # R3: capture each token's experts (MoE models only)
     # R3: read each sample's routing once, as it finishes (rollout/vllm_ext.py), not vLLM's per-step stream
     # (not a `vllm.LLM` argument: it picks the engine's scheduler class)

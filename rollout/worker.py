@@ -113,6 +113,8 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo) -> dict:
             raise ValueError(f"EngineSpec.max_lora_rank {spec.max_lora_rank} is above vLLM's largest, 512")
         # One adapter at a time: the LRU cache evicts the old one as the new one loads.
         kw.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+        if spec.lora_experts_stacked and info.is_moe:
+            kw["enable_mixed_moe_lora_format"] = True  # accept the stacked layout (is_3d_lora_weight)
     if spec.return_routed_experts and info.is_moe:
         kw["enable_return_routed_experts"] = True
         if spec.routing_at_finish:
@@ -300,7 +302,8 @@ class RolloutWorker:
             raise ValueError("load_adapter: adapter tensors given without peft_config (adapter_config.json)")
         else:
             tensors = adapter
-        tensors, config = peft_to_vllm(tensors, peft_config)
+        stacked = self.spec.lora_experts_stacked and self.info.is_moe
+        tensors, config = peft_to_vllm(tensors, peft_config, stacked_experts=stacked)
         if config["r"] > self.spec.max_lora_rank:
             raise ValueError(
                 f"load_adapter: adapter rank {config['r']} > EngineSpec.max_lora_rank "
@@ -316,7 +319,9 @@ class RolloutWorker:
         name = f"adapter-v{version}-{self._lora_ids}"
         path = self.stage.stage(name, write)
         staged = time.perf_counter()
-        request = LoRARequest(lora_name=name, lora_int_id=self._lora_ids, lora_path=str(path))
+        request = LoRARequest(
+            lora_name=name, lora_int_id=self._lora_ids, lora_path=str(path), is_3d_lora_weight=stacked
+        )
         # add_lora loads eagerly: a broken adapter fails here, during sync, not at the next generate.
         if not self.llm.llm_engine.add_lora(request):
             raise RuntimeError(f"load_adapter: vLLM did not load adapter {name} from {path}")

