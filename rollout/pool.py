@@ -132,7 +132,10 @@ class RolloutPool:
     def generate(self, requests: list[PromptRequest], sampling: SamplingSpec) -> list:
         """`sampling.n` samples per request, in request order (then sample index)."""
         shares = split_by_group(requests, self.num_workers)
-        args = [([requests[i] for i in share], sampling) if share else None for share in shares]
+        # Each worker gets its share's places in the whole batch: the seeds follow them, so no two
+        # requests of a batch share a seed (each worker counting from 0 gave its first request the same
+        # noise as every other worker's first request).
+        args = [([requests[i] for i in share], sampling, share) if share else None for share in shares]
         by_request: list[list | None] = [None] * len(requests)
         for share, samples in zip(shares, self._call("generate", args)):
             for k, i in enumerate(share):

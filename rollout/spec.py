@@ -63,7 +63,8 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 16
-    # Request i's samples use seeds seed + i * n ... seed + i * n + n - 1 (None: the engine's generator).
+    # Request i's samples use seeds seed + i * n ... seed + i * n + n - 1 (None: the engine's generator),
+    # i its index in the whole batch (a pool's workers each get a share: see `request_seed`).
     seed: int | None = None
     stop_token_ids: list[int] | None = None
 
@@ -79,6 +80,10 @@ class SamplingSpec:
             raise ValueError(f"SamplingSpec.top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"SamplingSpec.max_tokens must be >= 1, got {self.max_tokens}")
+
+    def request_seed(self, index: int) -> int | None:
+        """vLLM's seed for the request at `index` of the whole batch (its n samples take seed .. seed + n - 1)."""
+        return None if self.seed is None else self.seed + index * self.n
 
 
 @dataclass

@@ -208,8 +208,11 @@ class RolloutWorker:
         self._sleeping = False
 
     # ---- generation -------------------------------------------------------------------------------
-    def generate(self, requests: list[PromptRequest], sampling: SamplingSpec) -> list[Sample]:
-        """`sampling.n` samples per request, ordered by request then sample index."""
+    def generate(
+        self, requests: list[PromptRequest], sampling: SamplingSpec, indices: list[int] | None = None
+    ) -> list[Sample]:
+        """`sampling.n` samples per request, ordered by request then sample index. `indices`: the requests'
+        places in the whole batch when this is a pool's share (their seeds follow them); default 0, 1, ..."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -221,7 +224,7 @@ class RolloutWorker:
                 top_p=sampling.top_p,
                 top_k=sampling.top_k if sampling.top_k > 0 else -1,
                 max_tokens=sampling.max_tokens,
-                seed=None if sampling.seed is None else sampling.seed + i * sampling.n,
+                seed=sampling.request_seed(i),
                 stop_token_ids=sampling.stop_token_ids,
                 logprobs=0,  # the sampled token only
                 # Token ids are all we use (the reward decodes the response once). Otherwise vLLM's
@@ -229,8 +232,10 @@ class RolloutWorker:
                 # step: 7/8 of its output processing in a batch-256 decode (profiled on the CPU machine).
                 detokenize=False,
             )
-            for i in range(len(requests))
+            for i in (range(len(requests)) if indices is None else indices)
         ]
+        if len(params) != len(requests):
+            raise ValueError(f"generate: {len(requests)} requests but {len(params)} indices")
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         outputs = self.llm.generate(prompts, params, lora_request=self._lora, use_tqdm=False)
         capture = self.spec.return_routed_experts and self.info.is_moe

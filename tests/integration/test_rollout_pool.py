@@ -45,9 +45,10 @@ class StandInWorker:
         self.version = version
         return {"perf/sync_bytes": len(adapter["w"]), "perf/sync_s": 0.0}
 
-    def generate(self, requests, sampling):
+    def generate(self, requests, sampling, indices=None):
         out = []
-        for r in requests:
+        seeds = [sampling.request_seed(i) for i in (indices or range(len(requests)))]  # as RolloutWorker's
+        for r, seed in zip(requests, seeds):
             if r.data_source.startswith("die-once:"):
                 marker = Path(r.data_source.split(":", 1)[1])
                 if not marker.exists():
@@ -60,8 +61,8 @@ class StandInWorker:
             out += [
                 Sample(
                     prompt_ids=r.prompt_ids,
-                    response_ids=[os.getpid(), k],
-                    response_logprobs=[0.0, 0.0],
+                    response_ids=[os.getpid(), k, -1 if seed is None else seed + k],  # vLLM: seed + k
+                    response_logprobs=[0.0, 0.0, 0.0],
                     finish_reason="stop",
                     adapter_version=self.version,
                     group=r.group,
@@ -83,6 +84,16 @@ def test_split_keeps_groups_whole_contiguous_and_balanced():
     assert {reqs[i].group for i in shares[0]}.isdisjoint({reqs[i].group for s in shares[1:] for i in s})
     assert [len(s) for s in shares] == [3, 3, 2]
     assert split_by_group(reqs[:1], 3) == [[0], [], []]
+
+
+def test_no_two_samples_of_a_batch_share_a_seed_across_workers():
+    pool = _stand_in_pool(num_workers=3)
+    reqs = [PromptRequest([g], g) for g in [0, 0, 1, 2, 2, 3, 4, 4]]
+    samples = pool.generate(reqs, SamplingSpec(n=2, seed=1000))
+    assert len({s.response_ids[0] for s in samples}) == 3  # every worker had a share
+    # the seed of each sample is its place in the whole batch, whatever worker drew it
+    assert [s.response_ids[2] for s in samples] == [1000 + i for i in range(16)]
+    pool.shutdown()
 
 
 def test_dead_worker_is_recreated_with_the_current_adapter_and_its_share_retried(tmp_path):
