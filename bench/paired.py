@@ -86,6 +86,7 @@ def _child(conn, key: str, model: dict, args, adapter_dir: str | None) -> None:
             if msg[0] == "stop":
                 break
             kind, prompts, output_len, seed = msg
+            seed = seed if cfg.request_seeds else None  # rollout.seed_scope "engine"
             if kind == "profile":
                 conn.send(("ok", _profiled_generate(worker, key, prompts, output_len, seed)))
             else:

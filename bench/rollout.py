@@ -1,7 +1,8 @@
 """Rollout throughput: output tokens/s at batch 1 to 256 on one engine.
 
 Each request is a distinct random prompt (no prefix-cache hits) that generates exactly `output_len`
-tokens (`ignore_eos`), sampled at temperature 1 with a per-request seed and the sampled token's log-prob,
+tokens (`ignore_eos`), sampled at temperature 1 with a per-request seed (none for an engine configuration
+with `request_seeds=False`) and the sampled token's log-prob,
 as `RolloutWorker.generate` asks for them; the timed region also holds the conversions `generate` does on
 the outputs (log-prob extraction, and with R3 the routed-experts check), since they are part of what R3
 costs a real rollout. Before timing, every batch size runs once with a few tokens, so that kernel
@@ -28,8 +29,9 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[in
     return rng.integers(10, vocab - 1, size=(batch, prompt_len)).tolist()
 
 
-def timed_generate(worker, prompts: list[list[int]], output_len: int, seed: int) -> tuple[float, int]:
-    """(seconds, output tokens) of one batch through the worker's engine and adapter."""
+def timed_generate(worker, prompts: list[list[int]], output_len: int, seed: int | None) -> tuple[float, int]:
+    """(seconds, output tokens) of one batch through the worker's engine and adapter; request i seeded with
+    seed + i (None: no request seeds, the engine's generator)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -43,7 +45,7 @@ def timed_generate(worker, prompts: list[list[int]], output_len: int, seed: int)
             top_k=-1,
             max_tokens=output_len,
             ignore_eos=True,
-            seed=seed + i,
+            seed=None if seed is None else seed + i,
             logprobs=0,
             detokenize=False,  # as RolloutWorker.generate asks
         )
@@ -85,14 +87,23 @@ def rollout_row(batch: int, prompt_len: int, output_len: int, runs: list[tuple[f
 
 
 def sweep(
-    worker, batch_sizes: list[int], prompt_len: int, output_len: int, vocab: int, repeats: int = REPEATS
+    worker,
+    batch_sizes: list[int],
+    prompt_len: int,
+    output_len: int,
+    vocab: int,
+    repeats: int = REPEATS,
+    request_seeds: bool = True,
 ) -> list[dict]:
+    def seed(r: int) -> int | None:
+        return r if request_seeds else None
+
     for b in batch_sizes:
-        timed_generate(worker, _prompts(b, prompt_len, vocab, seed=10_000 + b), WARMUP_TOKENS, seed=0)
+        timed_generate(worker, _prompts(b, prompt_len, vocab, seed=10_000 + b), WARMUP_TOKENS, seed(0))
     rows = []
     for b in batch_sizes:
         runs = [
-            timed_generate(worker, _prompts(b, prompt_len, vocab, seed=b + 1000 * r), output_len, seed=1 + r)
+            timed_generate(worker, _prompts(b, prompt_len, vocab, seed=b + 1000 * r), output_len, seed(1 + r))
             for r in range(repeats)
         ]
         row = rollout_row(b, prompt_len, output_len, runs)

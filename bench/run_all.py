@@ -308,7 +308,11 @@ class ModelRun:
         from bench.rollout import sweep
 
         vocab = self.model["config"]["vocab_size"]
-        for row in sweep(worker, self.args.batch_sizes, self.args.prompt_len, self.args.output_len, vocab):
+        seeds = engines.CONFIGS[info["config"]].request_seeds
+        args = self.args
+        for row in sweep(
+            worker, args.batch_sizes, args.prompt_len, args.output_len, vocab, request_seeds=seeds
+        ):
             self.res["rollout"].add(**info, **row)
 
     def paired_rollout(self, base: str, other: str) -> None:

@@ -102,6 +102,13 @@ class RolloutConfig:
     enforce_eager: bool = _f(False, "Disable CUDA graphs (faster start, slower decode).")
     max_num_seqs: int = _f(256, "Most sequences a vLLM engine decodes at once.", ge=1)
     seed: int = _f("${run.seed}", "Sampling seed.")
+    seed_scope: str = _f(
+        "sample",
+        "sample: a seed per sample, reproducible whatever the batching, a resumed run included (vLLM draws "
+        "seeded noise one request at a time: the largest host cost of a big decode batch); engine: the "
+        "engine's generator, one draw per step, samples not reproducible.",
+        ("sample", "engine"),
+    )
     cpu_kvcache_gb: float = _f(
         0.0, "KV cache size in GiB on the vLLM CPU backend (0 = vLLM's default).", ge=0
     )

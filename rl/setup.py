@@ -115,6 +115,7 @@ def sampling_spec(cfg: SparkConfig, seed: int, eval: bool = False):
             top_p=cfg.eval.top_p,
             max_tokens=cfg.eval.max_response_len,
             seed=seed,
+            seed_scope=cfg.rollout.seed_scope,
         )
     return SamplingSpec(
         n=cfg.rollout.n,
@@ -122,6 +123,7 @@ def sampling_spec(cfg: SparkConfig, seed: int, eval: bool = False):
         top_p=cfg.rollout.top_p,
         max_tokens=cfg.rollout.max_response_len,
         seed=seed,
+        seed_scope=cfg.rollout.seed_scope,
     )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MOE_BACKENDS = ("auto", "marlin")
+SEED_SCOPES = ("sample", "engine")
 
 
 @dataclass
@@ -66,6 +67,9 @@ class SamplingSpec:
     # Request i's samples use seeds seed + i * n ... seed + i * n + n - 1 (None: the engine's generator),
     # i its index in the whole batch (a pool's workers each get a share: see `request_seed`).
     seed: int | None = None
+    # "sample": the seeds above; "engine": no request seeds, noise from the engine's generator (seeded once
+    # at start): one draw per decode step instead of one per request, and no reproducible samples.
+    seed_scope: str = "sample"
     stop_token_ids: list[int] | None = None
 
     def __post_init__(self):
@@ -80,10 +84,14 @@ class SamplingSpec:
             raise ValueError(f"SamplingSpec.top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"SamplingSpec.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed_scope not in SEED_SCOPES:
+            raise ValueError(f"SamplingSpec.seed_scope must be one of {SEED_SCOPES}, got {self.seed_scope!r}")
 
     def request_seed(self, index: int) -> int | None:
         """vLLM's seed for the request at `index` of the whole batch (its n samples take seed .. seed + n - 1)."""
-        return None if self.seed is None else self.seed + index * self.n
+        if self.seed is None or self.seed_scope == "engine":
+            return None
+        return self.seed + index * self.n
 
 
 @dataclass

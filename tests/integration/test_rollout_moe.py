@@ -156,3 +156,18 @@ def test_merged_weights_with_an_unknown_name_fail_before_loading(worker):
     with pytest.raises(KeyError, match="model.layers.0.mlp.experts.9.up_proj.weight"):
         worker.load_merged_weights({"model.layers.0.mlp.experts.9.up_proj.weight": torch.zeros(64, 128)}, 9)
     assert worker.version == version
+
+
+def test_engine_seed_scope_sets_no_request_seeds(worker, prompts):
+    """seed_scope "engine": noise from the engine's generator, so the same call twice gives other samples,
+    where seed_scope "sample" repeats them; a prompt's n samples differ in both."""
+    requests = [PromptRequest(prompt_ids=p, group=i) for i, p in enumerate(prompts)]
+
+    def responses(scope):
+        spec = SamplingSpec(n=4, temperature=1.0, max_tokens=24, seed=11, seed_scope=scope)
+        return [tuple(s.response_ids) for s in worker.generate(requests, spec)]
+
+    seeded, engine = responses("sample"), responses("engine")
+    assert responses("sample") == seeded
+    assert responses("engine") != engine
+    assert len(set(seeded[:4])) > 1 and len(set(engine[:4])) > 1
