@@ -6,6 +6,7 @@
 #   bash bench/gpu_calls.sh install tests      # vLLM kit, then the gpu-marked tests of issues 5 and 9
 #   bash bench/gpu_calls.sh r3                 # Muse: NVFP4+LoRA with and without R3: rollout, KL
 #   bash bench/gpu_calls.sh r3pair             # the same, the two engines' rollout run in alternation
+#   bash bench/gpu_calls.sh seeds              # the cost of per-request seeds (pair with an unseeded engine)
 #   bash bench/gpu_calls.sh r3stream           # NVFP4+LoRA against R3 as vLLM streams it, in alternation
 #   bash bench/gpu_calls.sh r3pair12           # batches 256 and 64 only: 12 pairs, 256 generated tokens
 #   bash bench/gpu_calls.sh r3profile          # batch 256, 2 pairs in alternation, then one batch each profiled
@@ -78,6 +79,12 @@ for call in "$@"; do
     bench muse_r3profile --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3 \
       --rollout-pair nvfp4_lora,nvfp4_lora_r3 --pair-repeats 2 --output-len 256 --batch-sizes 256 \
       --rollout-profile --budget-s 500
+    ;;
+  seeds)
+    # per-request seeds against none (rollout.seed_scope engine), batch 256 and 64
+    bench muse_seeds --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_unseeded \
+      --rollout-pair nvfp4_lora,nvfp4_lora_unseeded --pair-repeats 6 --output-len 256 --batch-sizes 256,64 \
+      --budget-s 470
     ;;
   r3stream)
     bench muse_r3stream --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3_stream \
