@@ -367,24 +367,28 @@ class TrainerWorker:
             if p.requires_grad
         }
 
-    def _full_lora_state(self) -> dict[str, torch.Tensor]:
-        """LoRA weights gathered to rank 0 on CPU (others get {}); the base weights are never gathered."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-        return get_model_state_dict(self.model, options=opts)
+    def _full_lora_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """LoRA weights gathered to rank 0 on CPU, cast to `dtype` first (others get {}); the base weights
+        are never gathered. One parameter at a time: gathered on the device, cast there (a sync ships bf16:
+        half the bytes to copy out, and no fp32 -> bf16 pass over every weight on the host), then copied."""
+        out = {}
+        for name, p in zip(self._lora_fqns(), self.params):
+            full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+            if dtype is not None and full.is_floating_point():
+                full = full.to(dtype)
+            if self.rank == 0:
+                out[name] = full.cpu() if full.device.type != "cpu" else full.clone()
+        return out
 
     def export_adapter(self, dtype: str | None = None) -> tuple[dict[str, torch.Tensor], dict] | None:
         """PEFT adapter tensors (`get_peft_model_state_dict` key names, CPU) and adapter_config contents,
         on rank 0; None on the other ranks. The fp32 masters as they are, or cast to `dtype` (a torch dtype
         name) here, before they travel: the rollout computes LoRA in the model dtype, so a sync ships that
         (half the bytes in bf16); checkpoints keep fp32."""
-        state = self._full_lora_state()
+        state = self._full_lora_state(getattr(torch, dtype) if dtype else None)
         if self.rank != 0:
             return None
-        cast = getattr(torch, dtype) if dtype else None
-        tensors = {
-            lora.peft_key(k): v.to(cast) if cast is not None and v.is_floating_point() else v
-            for k, v in state.items()
-        }
+        tensors = {lora.peft_key(k): v for k, v in state.items()}
         return tensors, lora.peft_config_dict(self.model, self.spec.model_path)
 
     def gradients(self) -> dict[str, torch.Tensor] | None:
