@@ -258,7 +258,7 @@ def _peft_to_vllm(
         assigned = _assign_fused(module, levels, fused)
         if stacked_experts and sorted(assigned.values()) != ["down_proj", "gate_up_proj"]:
             # vLLM's 3D reader finds the pair by position (`experts.base_layer` = gate_up_proj, `experts` =
-            # down_proj) and leaves a module with only one of them unadapted, silently.
+            # down_proj) and does not convert a module that has only one of them.
             raise AdapterLayoutError(
                 f"{module}: the stacked expert layout needs LoRA on both gate_up_proj and down_proj, the "
                 f"adapter has {sorted(assigned.values())}; load it per expert (lora_experts_stacked=False)"
