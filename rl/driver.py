@@ -199,7 +199,8 @@ class Run:
         if self.cfg.sync.mode == "adapter":
             # The trainer keeps fp32 LoRA masters; vLLM computes LoRA in the model dtype, so the trainer
             # casts to that before the transfer (half the bytes in bf16). Checkpoints keep fp32.
-            tensors, peft_config = self.trainer.export_adapter(dtype=self.cfg.model.dtype)
+            # The tensors go from the trainer's object store to the rollout workers, not through the driver.
+            tensors, peft_config = self.trainer.export_adapter_ref(dtype=self.cfg.model.dtype)
             return self.rollout.load_adapter(tensors, peft_config, self.version)
         return self.rollout.load_merged_weights(self.trainer.export_merged(), self.version)
 

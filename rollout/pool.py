@@ -149,9 +149,11 @@ class RolloutPool:
         return [lp for part in self._call("prompt_logprobs", args) if part for lp in part]
 
     def load_adapter(self, adapter, peft_config: dict | None, version: int) -> dict:
-        """Load the adapter on every worker; `perf/sync_bytes` sums the workers, `perf/sync_s` is wall time."""
+        """Load the adapter on every worker; `perf/sync_bytes` sums the workers, `perf/sync_s` is wall time.
+        `adapter`: the tensors, a PEFT directory, or a Ray reference to either (TrainerGroup.export_adapter_ref:
+        the workers read the trainer's copy)."""
         start = time.perf_counter()
-        ref = ray.put(adapter)
+        ref = adapter if isinstance(adapter, ray.ObjectRef) else ray.put(adapter)
         self._replay = ("adapter", ref, peft_config, version)
         metrics = self._call("load_adapter", [(ref, peft_config, version)] * self.num_workers)
         return self._sync_metrics(metrics, start)

@@ -99,6 +99,14 @@ class TrainerGroup:
     def export_adapter(self, dtype: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         return self._on_all("export_adapter", dtype)[0]
 
+    def export_adapter_ref(self, dtype: str | None = None) -> tuple[ray.ObjectRef, dict]:
+        """As export_adapter, but the tensors stay in Ray's object store (a reference to rank 0's dict): the
+        rollout workers read them from there, so the driver neither receives nor re-sends them (twice the
+        adapter's bytes through pickling per sync otherwise)."""
+        pairs = [w.export_adapter_pair.options(num_returns=2).remote(dtype) for w in self.workers]
+        configs = ray.get([config for _, config in pairs])  # every rank done: the gathers are collective
+        return pairs[0][0], configs[0]
+
     def export_merged(self) -> dict[str, torch.Tensor]:
         return self._on_all("export_merged")[0]
 

@@ -391,6 +391,11 @@ class TrainerWorker:
         tensors = {lora.peft_key(k): v for k, v in state.items()}
         return tensors, lora.peft_config_dict(self.model, self.spec.model_path)
 
+    def export_adapter_pair(self, dtype: str | None = None) -> tuple[dict | None, dict | None]:
+        """export_adapter as two values (tensors, config), (None, None) off rank 0: for Ray's
+        `num_returns=2`, which keeps each in the object store under its own reference."""
+        return self.export_adapter(dtype) or (None, None)
+
     def gradients(self) -> dict[str, torch.Tensor] | None:
         """Full gradients of the LoRA weights after the last train_step, PEFT key names (rank 0; tests)."""
         out = {}

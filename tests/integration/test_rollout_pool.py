@@ -98,7 +98,8 @@ def test_no_two_samples_of_a_batch_share_a_seed_across_workers():
 
 def test_dead_worker_is_recreated_with_the_current_adapter_and_its_share_retried(tmp_path):
     pool = _stand_in_pool()
-    assert pool.load_adapter({"w": b"1234"}, {"r": 8}, version=3)["perf/sync_bytes"] == 8
+    # an adapter given by reference (the trainer's copy in the object store) reaches the workers as a value
+    assert pool.load_adapter(ray.put({"w": b"1234"}), {"r": 8}, version=3)["perf/sync_bytes"] == 8
     reqs = [PromptRequest([g], g) for g in range(6)]
     reqs[4].data_source = f"die-once:{tmp_path / 'died'}"  # on worker 1
     old_pid = pool.ping()[1]["pid"]

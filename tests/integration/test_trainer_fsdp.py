@@ -179,6 +179,11 @@ def test_bad_input_is_named_and_no_rank_hangs(group, batch, tmp_path):
     for k, v in half.items():
         assert adapter[k].dtype == torch.float32 and v.dtype == torch.bfloat16
         assert torch.equal(v, adapter[k].to(torch.bfloat16)), k
+    # The driver's sync leaves the tensors in Ray's object store: the same adapter by reference.
+    ref, ref_config = group.export_adapter_ref(dtype="bfloat16")
+    by_ref = ray.get(ref)
+    assert ref_config == config and set(by_ref) == set(half)
+    assert all(torch.equal(by_ref[k], half[k]) for k in half)
     wrong = {
         k: torch.zeros(v.shape[0] * 2, *v.shape[1:]) if ".lora_A." in k else v for k, v in adapter.items()
     }
