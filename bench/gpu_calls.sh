@@ -18,6 +18,10 @@
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
 #   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows (both layouts); the 20-step GRPO run
 #
+# Sixth session's plan for the next device time (30 min): `lora_experts_ac` first (no kit; the per-layer
+# recompiles are fixed), then the kit, then alone each: `r3profile`, `sync` (both adapter layouts), `seeds`;
+# `trainer32` if time is left.
+#
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
 # `python -m bench.summarize $OUT/*` merges them (each folder comes back packed as NAME.tgz).
