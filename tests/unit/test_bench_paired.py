@@ -112,7 +112,8 @@ def test_rollout_profile_needs_a_pair_and_its_rows_get_their_own_table(tmp_path)
         parse_args(["--tiny", "--rollout-profile"])
     assert parse_args(["--tiny", "--rollout-pair", "bf16,nvfp4_lora_r3", "--rollout-profile"]).rollout_profile
     res = Results(tmp_path, "rollout_profile")
-    for config, device_s in (("nvfp4_lora", 3.0), ("nvfp4_lora_r3", 3.3)):
+    rollout = Results(tmp_path, "rollout")
+    for config, device_s, host_s in (("nvfp4_lora", 3.0, 1.0), ("nvfp4_lora_r3", 3.3, 1.5)):
         res.add(
             model="muse",
             config=config,
@@ -120,10 +121,22 @@ def test_rollout_profile_needs_a_pair_and_its_rows_get_their_own_table(tmp_path)
             output_len=256,
             seconds=4.0,
             tokens_per_s=16384.0,
-            host_ops_s=1.0,
+            host_ops_s=host_s,
             device_s=device_s,
             device_ms_per_step=1000 * device_s / 256,
             device_busy=device_s / 4.0,
         )
+        rollout.add(
+            model="muse",
+            config=config,
+            graphs="full_decode",
+            batch=256,
+            prompt_len=64,
+            output_len=256,
+            tokens_per_s=16000.0,
+        )
     md = summarize.render([tmp_path], REF)
-    assert "| muse | nvfp4_lora_r3 | 256 | 256 | 4.000 | 3.300 | 12.89 | 82% | 1.000 |" in md
+    assert "| muse | nvfp4_lora_r3 | 256 | 256 | 4.000 | 3.300 | 12.89 | 82% | 1.500 |" in md
+    # the R3 goal's line quotes what the profiles say: R3's extra device time per step and host op time
+    r3_goal = next(line for line in md.splitlines() if "R3 cost of rollout tok/s" in line)
+    assert "profiled batch 256: device +1.17 ms/step (+10.0%), host ops +0.500 s of 4.00 s" in r3_goal
