@@ -55,6 +55,8 @@ def measure(
     host, trainer: str, worker, repeats: int, version0: int, vocab: int, dtype: str = "bfloat16"
 ) -> dict:
     """One case; `worker` None (--tiny: no MoE-LoRA engine on CPU) times the export and staging only."""
+    from rollout.worker import stacked_experts
+
     runs = []
     for i in range(repeats):
         t0 = time.perf_counter()
@@ -66,7 +68,7 @@ def measure(
             "export_inner_s": inner_s,
             "raw_bytes": sum(v.numel() * v.element_size() for v in tensors.values()),
         }
-        stacked = worker is not None and worker.spec.lora_experts_stacked and worker.info.is_moe
+        stacked = worker is not None and stacked_experts(worker.spec, worker.info)
         run["stage_s"], run["staged_tensor_bytes"] = stage_only(tensors, config, stacked)
         if worker is not None:
             t2 = time.perf_counter()

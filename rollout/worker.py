@@ -84,6 +84,12 @@ def _quantization_kind(quant: dict | None) -> str | None:
     return quant.get("quant_method", "unknown")
 
 
+def stacked_experts(spec: EngineSpec, info: ModelInfo) -> bool:
+    """Whether adapters go to this engine with stacked expert tensors (EngineSpec.lora_experts_stacked): the
+    engine's flag, the staged layout and the request's flag must agree."""
+    return spec.enable_lora and spec.lora_experts_stacked and info.is_moe
+
+
 def engine_kwargs(spec: EngineSpec, info: ModelInfo) -> dict:
     """The `vllm.LLM` arguments of `spec` for the checkpoint described by `info`."""
     kw = dict(
@@ -113,7 +119,7 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo) -> dict:
             raise ValueError(f"EngineSpec.max_lora_rank {spec.max_lora_rank} is above vLLM's largest, 512")
         # One adapter at a time: the LRU cache evicts the old one as the new one loads.
         kw.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
-        if spec.lora_experts_stacked and info.is_moe:
+        if stacked_experts(spec, info):
             kw["enable_mixed_moe_lora_format"] = True  # accept the stacked layout (is_3d_lora_weight)
     if spec.return_routed_experts and info.is_moe:
         kw["enable_return_routed_experts"] = True
@@ -307,7 +313,7 @@ class RolloutWorker:
             raise ValueError("load_adapter: adapter tensors given without peft_config (adapter_config.json)")
         else:
             tensors = adapter
-        stacked = self.spec.lora_experts_stacked and self.info.is_moe
+        stacked = stacked_experts(self.spec, self.info)
         tensors, config = peft_to_vllm(tensors, peft_config, stacked_experts=stacked)
         if config["r"] > self.spec.max_lora_rank:
             raise ValueError(

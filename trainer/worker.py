@@ -367,13 +367,14 @@ class TrainerWorker:
             if p.requires_grad
         }
 
-    def _full_lora_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """LoRA weights gathered to rank 0 on CPU, cast to `dtype` first (others get {}); the base weights
-        are never gathered. One parameter at a time: gathered on the device, cast there (a sync ships bf16:
-        half the bytes to copy out, and no fp32 -> bf16 pass over every weight on the host), then copied."""
+    def _gathered(self, tensors, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Full copies on CPU of `tensors` (one per trainable parameter, in `self.params` order: the
+        parameters or their gradients), by state-dict name, on rank 0 ({} elsewhere), cast to `dtype` first.
+        One at a time: gathered on the device, cast there (a sync ships bf16: half the bytes to copy out, and
+        no fp32 -> bf16 pass over every weight on the host), then copied; the base weights never move."""
         out = {}
-        for name, p in zip(self._lora_fqns(), self.params):
-            full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+        for name, t in zip(self._lora_fqns(), tensors):
+            full = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)
             if self.rank == 0:
@@ -385,7 +386,7 @@ class TrainerWorker:
         on rank 0; None on the other ranks. The fp32 masters as they are, or cast to `dtype` (a torch dtype
         name) here, before they travel: the rollout computes LoRA in the model dtype, so a sync ships that
         (half the bytes in bf16); checkpoints keep fp32."""
-        state = self._full_lora_state(getattr(torch, dtype) if dtype else None)
+        state = self._gathered(self.params, getattr(torch, dtype) if dtype else None)
         if self.rank != 0:
             return None
         tensors = {lora.peft_key(k): v for k, v in state.items()}
@@ -398,11 +399,8 @@ class TrainerWorker:
 
     def gradients(self) -> dict[str, torch.Tensor] | None:
         """Full gradients of the LoRA weights after the last train_step, PEFT key names (rank 0; tests)."""
-        out = {}
-        for (name, _), p in zip(self._lora_fqns().items(), self.params):
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            out[lora.peft_key(name)] = g.detach().cpu()
-        return out if self.rank == 0 else None
+        grads = self._gathered([p.grad for p in self.params])
+        return {lora.peft_key(k): v for k, v in grads.items()} if self.rank == 0 else None
 
     def export_merged(self) -> dict[str, torch.Tensor] | None:
         """The base weights with the LoRA update merged, in the model's on-disk Hugging Face names and
