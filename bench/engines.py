@@ -44,6 +44,8 @@ CONFIGS = {
         EngineConfig("bf16_lora", "bf16", lora=True, r3=False),
         EngineConfig("nvfp4_lora", "nvfp4", lora=True, r3=False),
         EngineConfig("nvfp4_lora_r3", "nvfp4", lora=True, r3=True),
+        # nvfp4_lora again, in its own process: an A/A pair prices the noise between two engine processes
+        EngineConfig("nvfp4_lora_twin", "nvfp4", lora=True, r3=False),
         # R3 as vLLM streams it (every decode step), for comparison with the scheduler sparkrl uses
         EngineConfig("nvfp4_lora_r3_stream", "nvfp4", lora=True, r3=True, routing_at_finish=False),
         # the adapter shipped with stacked expert tensors (rollout/adapter_layout.py), for the sync rows

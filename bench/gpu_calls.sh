@@ -10,6 +10,7 @@
 #   bash bench/gpu_calls.sh r3stream           # NVFP4+LoRA against R3 as vLLM streams it, in alternation
 #   bash bench/gpu_calls.sh r3pair12           # batches 256 and 64 only: 12 pairs, 256 generated tokens
 #   bash bench/gpu_calls.sh r3profile          # batch 256, 2 pairs in alternation, then one batch each profiled
+#   bash bench/gpu_calls.sh r3control          # the same for nvfp4_lora against itself (the A/A pair)
 #   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse (trainer_qwen: Qwen3-MoE)
 #   bash bench/gpu_calls.sh trainer32          # the same at 32k-token micro-batches: memory budget 0.5, AC on
 #   bash bench/gpu_calls.sh trainer32off       # ... AC off, memory budget 0.25
@@ -18,9 +19,9 @@
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
 #   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows (both layouts); the 20-step GRPO run
 #
-# Sixth session's plan for the next device time (30 min): `lora_experts_ac` first (no kit; the per-layer
-# recompiles are fixed), then the kit, then alone each: `r3profile`, `sync` (both adapter layouts), `seeds`;
-# `trainer32` if time is left.
+# Seventh session's plan for the next device time (30 min): the kit, then alone each: `install tests`
+# (both adapter layouts against PEFT, the stacked one now the default), `r3control` then `r3profile` (an R3
+# cost only counts beyond what the A/A pair reads), `sync grpo` if time is left.
 #
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
@@ -82,6 +83,13 @@ for call in "$@"; do
   r3profile)
     bench muse_r3profile --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3 \
       --rollout-pair nvfp4_lora,nvfp4_lora_r3 --pair-repeats 2 --output-len 256 --batch-sizes 256 \
+      --rollout-profile --budget-s 500
+    ;;
+  r3control)
+    # the A/A pair: nvfp4_lora against itself in another process, as r3profile runs (what pairs read as a
+    # cost where there is none; profiled, how much slower the same host ops run in one engine process)
+    bench muse_r3control --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_twin \
+      --rollout-pair nvfp4_lora,nvfp4_lora_twin --pair-repeats 2 --output-len 256 --batch-sizes 256 \
       --rollout-profile --budget-s 500
     ;;
   seeds)

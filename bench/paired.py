@@ -50,6 +50,39 @@ def profile_totals(table: str) -> dict[str, float]:
     return {names[kind]: float(value) * _UNIT_S[unit] for kind, value, unit in _TOTAL.findall(table)}
 
 
+_UNIT = re.compile(r"^([0-9.]+)(us|ms|s)$")
+
+
+def host_ops(table: str) -> dict[str, list]:
+    """{op name: [own CPU seconds, calls]} of the rows of torch's `key_averages().table()` (columns split
+    by two or more spaces: name, self CPU %, self CPU, ..., # of calls). vLLM's per-step ranges
+    (`execute_context_...`, named after the step's batch) are not ops and are left out."""
+    out = {}
+    for line in table.splitlines():
+        cols = re.split(r"\s{2,}", line.strip())
+        if len(cols) < 4 or not cols[-1].isdigit() or (m := _UNIT.match(cols[2])) is None:
+            continue
+        if cols[0].startswith("execute_context"):
+            continue
+        out[cols[0]] = [float(m[1]) * _UNIT_S[m[2]], int(cols[-1])]
+    return out
+
+
+def host_ops_delta(base: dict[str, list], other: dict[str, list]) -> tuple[float, float | None]:
+    """Two engines' profiled host ops (`host_ops`) on the same batch: (the own CPU seconds of the calls that
+    `other` made beyond `base`, at `other`'s cost per call; the median ratio of the cost per call of the ops
+    both called equally often, over those of 1 ms or more). The first is what the other engine's feature
+    adds; the second how much slower the same host work ran in the other engine's process (1.0: as fast)."""
+    added, ratios = 0.0, []
+    for name, (seconds, calls) in other.items():
+        base_s, base_calls = base.get(name, (0.0, 0))
+        if calls > base_calls and calls:
+            added += (calls - base_calls) * seconds / calls
+        elif calls == base_calls and base_s >= 1e-3:
+            ratios.append(seconds / base_s)
+    return added, (float(np.median(ratios)) if ratios else None)
+
+
 def _profiled_generate(worker, key: str, prompts, output_len: int, seed: int) -> dict:
     """One batch under vLLM's profiler; (seconds, tokens) of it, the table's totals and its first rows."""
     table_file = profile_dir(key) / "profiler_out_0.txt"
@@ -61,7 +94,13 @@ def _profiled_generate(worker, key: str, prompts, output_len: int, seed: int) ->
         worker.llm.stop_profile()  # writes the table and the trace before it returns
     table = table_file.read_text() if table_file.exists() else ""
     rows = [line for line in table.splitlines() if line.strip() and not line.startswith("-")]
-    return {"seconds": seconds, "tokens": tokens, **profile_totals(table), "top_ops": rows[1:9]}
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        **profile_totals(table),
+        "top_ops": rows[1:9],
+        "host_ops": host_ops(table),
+    }
 
 
 def _child(conn, key: str, model: dict, args, adapter_dir: str | None) -> None:
@@ -167,6 +206,7 @@ def _profile_rows(pair: list[_Engine], args, vocab: int) -> Iterator[dict]:
             "device_ms_per_step": 1000 * p["device_s"] / steps if "device_s" in p else None,
             "device_busy": p["device_s"] / p["seconds"] if "device_s" in p else None,
             "top_ops": p["top_ops"],
+            "host_ops": p["host_ops"],
             "profile_dir": str(profile_dir(e.key)),
         }
         busy = f", device {row['device_s']:.3f}s ({row['device_busy']:.0%} busy)" if row["device_s"] else ""

@@ -26,6 +26,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from bench.paired import host_ops_delta
 from bench.trainer import ac_fields, parse_ac
 
 BENCHES = ("rollout", "rollout_profile", "sync", "trainer", "kl", "grpo", "lora_experts")
@@ -256,11 +257,33 @@ def r3_profile_delta(rows: list[dict], model: str) -> str:
             continue
         device = r3["device_ms_per_step"] / base["device_ms_per_step"] - 1
         host = (r3.get("host_ops_s") or 0) - (base.get("host_ops_s") or 0)
-        return (
+        text = (
             f"; profiled batch {batch}: device {r3['device_ms_per_step'] - base['device_ms_per_step']:+.2f} "
             f"ms/step ({device:+.1%}), host ops {host:+.3f} s of {base['seconds']:.2f} s"
         )
+        if r3.get("host_ops") and base.get("host_ops"):
+            added, slower = host_ops_delta(base["host_ops"], r3["host_ops"])
+            text += f" (R3's added calls {added:.3f} s = {added / base['seconds']:.1%} of the batch"
+            text += f"; the same calls {slower:.2f}x the time in the R3 engine's process)" if slower else ")"
+        return text
     return ""
+
+
+def control_pair(rows: list[dict], model: str) -> str:
+    """The A/A pair (nvfp4_lora against its twin, the same engine in another process): the cost the pairs
+    read where there is none, the yardstick for the R3 pair's."""
+    control = [
+        r for r in ok(rows) if r["model"] == model and r["config"] == "nvfp4_lora_twin" and "paired_cost" in r
+    ]
+    return "".join(
+        f"; A/A control at batch {r['batch']}: {r['paired_cost']:.1%}"
+        + (
+            f" (pairs {min(r['paired_costs_all']):.0%} to {max(r['paired_costs_all']):.0%})"
+            if r.get("paired_costs_all")
+            else ""
+        )
+        for r in sorted(control, key=lambda r: -r["batch"])
+    )
 
 
 def goals(rows: dict, models: list[str], args) -> list[str]:
@@ -281,7 +304,8 @@ def goals(rows: dict, models: list[str], args) -> list[str]:
                     f"worst {worst:.1%} (batch {max(r3, key=r3.get)}), "
                     f"{r3.get(max(r3), 0):.1%} at batch {max(r3)}"
                     + ("" if same else f"; NOT COMPARABLE: CUDA graphs {graphs}")
-                    + r3_profile_delta(rows["rollout_profile"], m),
+                    + r3_profile_delta(rows["rollout_profile"], m)
+                    + control_pair(rows["rollout"], m),
                     verdict(worst <= GOALS["r3_cost"]) if same else "—",
                 ]
             )

@@ -261,7 +261,7 @@ def _peft_to_vllm(
             # down_proj) and does not convert a module that has only one of them.
             raise AdapterLayoutError(
                 f"{module}: the stacked expert layout needs LoRA on both gate_up_proj and down_proj, the "
-                f"adapter has {sorted(assigned.values())}; load it per expert (lora_experts_stacked=False)"
+                f"adapter has {sorted(assigned.values())}; ship it per expert (sync.expert_layout=per_expert)"
             )
         for depth, param in assigned.items():
             a, b = levels[depth]["A"], levels[depth]["B"]

@@ -29,8 +29,9 @@ class EngineSpec:
     enable_lora: bool = False
     max_lora_rank: int = 16
     # Expert LoRA shipped in PEFT's stacked 3D layout, which vLLM splits per expert itself (4 tensors per
-    # MoE layer instead of 6 per expert; rollout/adapter_layout.py). Off until measured on the GPU (issue 11).
-    lora_experts_stacked: bool = False
+    # MoE layer instead of 6 per expert; rollout/adapter_layout.py); not a `vllm.LLM` argument alone: it
+    # also sets `enable_mixed_moe_lora_format` and each request's `is_3d_lora_weight` (sync.expert_layout).
+    lora_experts_stacked: bool = True
     return_routed_experts: bool = False  # R3: capture each token's experts (MoE models only)
     # R3: read each sample's routing once, as it finishes (rollout/vllm_ext.py), not vLLM's per-step stream
     # (not a `vllm.LLM` argument: it picks the engine's scheduler class)
@@ -129,6 +130,7 @@ def engine_spec_from_config(cfg, model_path: str) -> EngineSpec:
         tensor_parallel_size=ro.tensor_parallel_size,
         enable_lora=cfg.sync.mode == "adapter",
         max_lora_rank=cfg.lora.rank,
+        lora_experts_stacked=cfg.sync.expert_layout == "stacked",
         return_routed_experts=cfg.r3.enabled,
         enable_sleep_mode=on_gpu and ro.placement == "colocated",
         moe_backend=ro.moe_backend,

@@ -130,12 +130,15 @@ def _check_expert_lora(worker, hf_weights, adapter, sequences, label):
     return mismatch, effect, base_mismatch
 
 
-def test_expert_lora_bf16_matches_peft(moe_path, adapter, sequences, tmp_path):
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per_expert"])
+def test_expert_lora_bf16_matches_peft(moe_path, adapter, sequences, tmp_path, stacked):
+    """Both adapter layouts (sync.expert_layout): stacked, split per expert by vLLM; per expert, by sparkrl."""
     from rollout.worker import RolloutWorker
 
-    worker = RolloutWorker(_spec(moe_path), tmp_path / "stage")
+    worker = RolloutWorker(_spec(moe_path, lora_experts_stacked=stacked), tmp_path / "stage")
     try:
-        mismatch, effect, base_mismatch = _check_expert_lora(worker, moe_path, adapter, sequences, "bf16")
+        label = "bf16 stacked" if stacked else "bf16 per_expert"
+        mismatch, effect, base_mismatch = _check_expert_lora(worker, moe_path, adapter, sequences, label)
     finally:
         worker.shutdown()
     # bf16 on both sides: a mean log-prob difference of a few 1e-2 at most, far below the adapter's own

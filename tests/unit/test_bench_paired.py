@@ -107,6 +107,40 @@ def test_profile_totals_read_torchs_table_footer():
     assert profile_totals("") == {}
 
 
+# Rows of torch's key_averages().table() as vLLM's profiler writes them (name, self CPU %, self CPU, CPU
+# total %, CPU total, CPU time avg, self CUDA, self CUDA %, CUDA total, CUDA time avg, # of calls).
+_TABLE = """\
+-------------------------------  ------------  ------------  ------------  ------------  ------------
+                           Name    Self CPU %      Self CPU   CPU total %     CPU total  # of Calls
+-------------------------------  ------------  ------------  ------------  ------------  ------------
+  execute_context_0(0)_generation_256(256)  0.00%  0.000us  0.00%  0.000us  0.000us  3.003s  136.04%  3.003s  11.821ms  254
+             aten::exponential_  13.54%  {exp}  13.54%  378.478ms  5.775us  0.000us  0.00%  0.000us  0.000us  65536
+                    aten::copy_   1.40%  {copy}  2.40%  67.000ms  6.458us  25.000ms  1.10%  25.000ms  4.128us  {copies}
+                     aten::fill_  0.45%  12.455ms  0.45%  12.455ms  3.386us  0.000us  0.00%  0.000us  0.000us  3678
+-------------------------------  ------------  ------------  ------------  ------------  ------------
+Self CPU time total: 2.795s
+"""
+
+
+def test_host_ops_read_each_op_and_the_delta_tells_added_calls_from_a_slower_process():
+    from bench.paired import host_ops, host_ops_delta
+
+    base = host_ops(_TABLE.format(exp="378.478ms", copy="39.108ms", copies=6056))
+    assert base == {  # vLLM's step range left out
+        "aten::exponential_": [pytest.approx(0.378478), 65536],
+        "aten::copy_": [pytest.approx(0.039108), 6056],
+        "aten::fill_": [pytest.approx(0.012455), 3678],
+    }
+    # The other engine made 1,317 more copies, and every op ran 1.25x as long per call in its process.
+    other = host_ops(_TABLE.format(exp="473.098ms", copy="59.304ms", copies=7373))
+    other["aten::fill_"][0] *= 1.25
+    added, slower = host_ops_delta(base, other)
+    assert added == pytest.approx(1317 * 0.059304 / 7373)
+    assert slower == pytest.approx(1.25)  # the ops called equally often (copy_ is not one of them)
+    assert host_ops_delta(base, base) == (0.0, pytest.approx(1.0))
+    assert host_ops_delta({}, {}) == (0.0, None)
+
+
 def test_rollout_profile_needs_a_pair_and_its_rows_get_their_own_table(tmp_path):
     with pytest.raises(SystemExit):
         parse_args(["--tiny", "--rollout-profile"])
@@ -140,3 +174,55 @@ def test_rollout_profile_needs_a_pair_and_its_rows_get_their_own_table(tmp_path)
     # the R3 goal's line quotes what the profiles say: R3's extra device time per step and host op time
     r3_goal = next(line for line in md.splitlines() if "R3 cost of rollout tok/s" in line)
     assert "profiled batch 256: device +1.17 ms/step (+10.0%), host ops +0.500 s of 4.00 s" in r3_goal
+    assert "R3's added calls" not in r3_goal and "A/A control" not in r3_goal  # rows without them
+
+
+def test_r3_goal_quotes_the_added_host_calls_and_the_a_a_pair(tmp_path):
+    """With each profiled op's time and calls, the R3 line splits the host difference into R3's own added
+    calls and the same calls running slower; an A/A pair (nvfp4_lora against its twin) gives the noise."""
+    from bench.paired import host_ops
+
+    _write_pair(tmp_path, ((256, 1000.0, 850.0, 0.15),))
+    rollout = Results(tmp_path, "rollout")
+    for config, extra in (
+        ("nvfp4_lora", {"paired_with": "nvfp4_lora_twin"}),
+        (
+            "nvfp4_lora_twin",
+            {"paired_with": "nvfp4_lora", "paired_cost": 0.12, "paired_costs_all": [0.2, 0.04]},
+        ),
+    ):
+        rollout.add(
+            model="muse",
+            config=config,
+            graphs="full_decode",
+            batch=256,
+            prompt_len=64,
+            output_len=256,
+            tokens_per_s=1000.0,
+            **extra,
+        )
+    res = Results(tmp_path, "rollout_profile")
+    slower = host_ops(_TABLE.format(exp="473.098ms", copy="59.304ms", copies=7373))
+    slower["aten::fill_"][0] *= 1.25
+    for config, ops, seconds in (
+        ("nvfp4_lora", host_ops(_TABLE.format(exp="378.478ms", copy="39.108ms", copies=6056)), 4.0),
+        ("nvfp4_lora_r3", slower, 5.0),
+    ):
+        res.add(
+            model="muse",
+            config=config,
+            batch=256,
+            output_len=256,
+            seconds=seconds,
+            tokens_per_s=1.0,
+            host_ops_s=2.0,
+            device_s=2.0,
+            device_ms_per_step=8.0,
+            device_busy=0.5,
+            host_ops=ops,
+        )
+    line = next(x for x in summarize.render([tmp_path], REF).splitlines() if "R3 cost of rollout tok/s" in x)
+    added = 1317 * 0.059304 / 7373
+    assert f"R3's added calls {added:.3f} s = {added / 4.0:.1%} of the batch" in line
+    assert "the same calls 1.25x the time in the R3 engine's process" in line
+    assert "A/A control at batch 256: 12.0% (pairs 4% to 20%)" in line and "FAIL" in line

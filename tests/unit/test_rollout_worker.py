@@ -97,6 +97,7 @@ def test_engine_settings_pass_through():
         enable_lora=True,
         max_lora_rank=16,
         max_loras=1,  # 12 -> vLLM's next rank, 16
+        enable_mixed_moe_lora_format=True,  # the stacked expert layout (the default)
         enable_return_routed_experts=True,
         scheduler_cls="rollout.vllm_ext.routing_at_finish_scheduler",  # R3 read once per sample
         enable_sleep_mode=True,
@@ -113,6 +114,8 @@ def test_engine_settings_pass_through():
     stacked = dict(model_path="/m", enable_lora=True, lora_experts_stacked=True)
     assert engine_kwargs(EngineSpec(**stacked), MOE)["enable_mixed_moe_lora_format"] is True
     assert "enable_mixed_moe_lora_format" not in engine_kwargs(EngineSpec(**stacked), DENSE)
+    per_expert = dict(stacked, lora_experts_stacked=False)
+    assert "enable_mixed_moe_lora_format" not in engine_kwargs(EngineSpec(**per_expert), MOE)
 
 
 def test_marlin_is_pinned_for_nvfp4_experts_with_lora():
