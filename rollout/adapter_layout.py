@@ -19,9 +19,10 @@ the delta of expert e is `scaling * B_e @ A_e` (`[out, in]`).
 vLLM 0.26 loads that 3D layout only with `enable_mixed_moe_lora_format=True` on the engine and
 `is_3d_lora_weight=True` on the request (without them its engine dies in `lora/layers/fused_moe.py`); then
 `LoRAModelManager._convert_3d_to_2d_moe_lora` splits it per expert, in a few tensor ops per layer. That is
-`stacked_experts=True` below (EngineSpec.lora_experts_stacked). Otherwise it loads per-expert 2D keys
-`...mlp.experts.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight` with A `[r, in]` and B `[out, r]`
-(../shared/gpu/NOTES.md). `gate_up_proj` stacks gate then up along its output (see
+`stacked_experts=True` below (`sync.expert_layout: stacked`, the default since it synced in half the time
+on the H200, docs/benchmarks.md; the shared design's per-expert layout is `per_expert`). Otherwise it loads
+per-expert 2D keys `...mlp.experts.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight` with A `[r, in]`
+and B `[out, r]` (../shared/gpu/NOTES.md). `gate_up_proj` stacks gate then up along its output (see
 transformers' `Qwen3MoeExperts.forward`: `linear(x, gate_up_proj[e]).chunk(2)`), so its B splits in
 halves and both halves share A.
 
