@@ -42,6 +42,20 @@ def test_rollout_pair_option():
         parse_args(["--tiny", "--rollout-pair", "nvfp4_lora"])
 
 
+def _add_rollout(results, config, batch, tps, output_len=128, **extra):
+    """A rollout row as bench writes it (Muse, CUDA graphs for decode, 64-token prompts)."""
+    results.add(
+        model="muse",
+        config=config,
+        graphs="full_decode",
+        batch=batch,
+        prompt_len=64,
+        output_len=output_len,
+        tokens_per_s=tps,
+        **extra,
+    )
+
+
 def _write_pair(folder, pairs):
     """An env.json and, per (batch, plain tok/s, R3 tok/s, paired cost), the two rows bench/paired.py
     writes for NVFP4+LoRA and NVFP4+LoRA+R3 run in alternation."""
@@ -52,16 +66,7 @@ def _write_pair(folder, pairs):
             ("nvfp4_lora", plain, {"paired_with": "nvfp4_lora_r3"}),
             ("nvfp4_lora_r3", r3, {"paired_with": "nvfp4_lora", "paired_cost": cost}),
         ):
-            r.add(
-                model="muse",
-                config=config,
-                graphs="full_decode",
-                batch=batch,
-                prompt_len=64,
-                output_len=128,
-                tokens_per_s=tps,
-                **extra,
-            )
+            _add_rollout(r, config, batch, tps, **extra)
 
 
 def test_summary_judges_the_paired_cost(tmp_path):
@@ -160,15 +165,7 @@ def test_rollout_profile_needs_a_pair_and_its_rows_get_their_own_table(tmp_path)
             device_ms_per_step=1000 * device_s / 256,
             device_busy=device_s / 4.0,
         )
-        rollout.add(
-            model="muse",
-            config=config,
-            graphs="full_decode",
-            batch=256,
-            prompt_len=64,
-            output_len=256,
-            tokens_per_s=16000.0,
-        )
+        _add_rollout(rollout, config, 256, 16000.0, output_len=256)
     md = summarize.render([tmp_path], REF)
     assert "| muse | nvfp4_lora_r3 | 256 | 256 | 4.000 | 3.300 | 12.89 | 82% | 1.500 |" in md
     # the R3 goal's line quotes what the profiles say: R3's extra device time per step and host op time
@@ -191,16 +188,7 @@ def test_r3_goal_quotes_the_added_host_calls_and_the_a_a_pair(tmp_path):
             {"paired_with": "nvfp4_lora", "paired_cost": 0.12, "paired_costs_all": [0.2, 0.04]},
         ),
     ):
-        rollout.add(
-            model="muse",
-            config=config,
-            graphs="full_decode",
-            batch=256,
-            prompt_len=64,
-            output_len=256,
-            tokens_per_s=1000.0,
-            **extra,
-        )
+        _add_rollout(rollout, config, 256, 1000.0, output_len=256, **extra)
     res = Results(tmp_path, "rollout_profile")
     slower = host_ops(_TABLE.format(exp="473.098ms", copy="59.304ms", copies=7373))
     slower["aten::fill_"][0] *= 1.25
