@@ -76,7 +76,7 @@ def host_ops_delta(base: dict[str, list], other: dict[str, list]) -> tuple[float
     added, ratios = 0.0, []
     for name, (seconds, calls) in other.items():
         base_s, base_calls = base.get(name, (0.0, 0))
-        if calls > base_calls and calls:
+        if calls > base_calls:
             added += (calls - base_calls) * seconds / calls
         elif calls == base_calls and base_s >= 1e-3:
             ratios.append(seconds / base_s)
