@@ -295,8 +295,10 @@ def test_expert_layout_reaches_the_engine_and_needs_every_expert_projection(tmp_
     # key, with the way out; per expert takes it, and so does an adapter with no expert LoRA at all.
     msg = error(path, ["lora.expert_modules=[down_proj]"])
     assert "lora.expert_modules: sync.expert_layout=stacked" in msg and "sync.expert_layout=per_expert" in msg
-    load_config(path, ["lora.expert_modules=[down_proj]", "sync.expert_layout=per_expert"])
-    load_config(path, ["lora.expert_modules=[down_proj]", "lora.target_experts=false"])
+    accepted = load_config(path, ["lora.expert_modules=[down_proj]", "sync.expert_layout=per_expert"])
+    assert accepted.lora.expert_modules == ["down_proj"]
+    accepted = load_config(path, ["lora.expert_modules=[down_proj]", "lora.target_experts=false"])
+    assert accepted.sync.expert_layout == "stacked"
     assert "sync.expert_layout: expected one of 'stacked', 'per_expert'" in error(
         path, ["sync.expert_layout=3d"]
     )
