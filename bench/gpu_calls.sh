@@ -21,7 +21,9 @@
 #
 # Seventh session's plan for the next device time (30 min): the kit, then alone each: `install tests`
 # (both adapter layouts against PEFT, the stacked one now the default), `r3control` then `r3profile` (an R3
-# cost only counts beyond what the A/A pair reads), `sync grpo` if time is left.
+# cost only counts beyond what the A/A pair reads), `trainer32` (its log now names the places where the
+# host waits for the device: 33 waits a train step, 19 a log-probs pass in the seventh session's profile),
+# `sync grpo` if time is left.
 #
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and

@@ -12,7 +12,11 @@ from __future__ import annotations
 import gc
 import os
 import time
+import traceback
+import warnings
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -203,6 +207,47 @@ def profile_device(fn) -> dict:
     }
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sync_site(stack: list[traceback.FrameSummary], root: Path = REPO) -> str:
+    """Where a synchronizing call came from: the innermost frame, then the innermost three of this
+    repository's frames ("path:line" relative to it), innermost first."""
+
+    def name(f: traceback.FrameSummary) -> str:
+        path = Path(f.filename)
+        return f"{path.relative_to(root) if path.is_relative_to(root) else path.name}:{f.lineno}"
+
+    ours = [f for f in stack if Path(f.filename).is_relative_to(root)]
+    sites = [stack[-1]] + [f for f in reversed(ours[-3:]) if f is not stack[-1]]
+    return " < ".join(name(f) for f in sites)
+
+
+def sync_sites(fn, top: int = 12) -> list[dict]:
+    """fn() once with CUDA's sync debug mode on: every operation that makes the host wait for the device (an
+    `.item()`, a copy to or from pageable host memory, ...) warns, and the warnings' call sites are counted.
+    The device idles after each such wait until the host has queued new work: in a host-bound step these
+    are the first places to look. Empty without CUDA."""
+    if not torch.cuda.is_available():
+        return []
+    counts: Counter[str] = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            counts[sync_site(traceback.extract_stack()[:-1])] += 1
+
+    _sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record  # restored by catch_warnings
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [{"site": site, "calls": n} for site, n in counts.most_common(top)]
+
+
 def train_bench(name: str, samples, warmup: int, steps: int, profile: bool = False) -> dict:
     """Time log_probs (forward) and train_step (forward + backward + AdamW) on one fixed batch."""
     w = _TRAINERS[name]
@@ -237,6 +282,8 @@ def train_bench(name: str, samples, warmup: int, steps: int, profile: bool = Fal
         # The forward alone ran at a third of the train step's MFU on the H200 (fifth session): its own
         # profile says whether the device or the host paces it.
         out["profile_log_probs"] = profile_device(lambda: w.log_probs(samples))
+        out["sync_sites"] = sync_sites(lambda: w.train_step(samples, adv, old))
+        out["sync_sites_log_probs"] = sync_sites(lambda: w.log_probs(samples))
     return out
 
 

@@ -7,7 +7,8 @@ LoRA (rank 32, attention + experts (+ Muse latent)), torch.compile per layer (th
 the first steps compile), activation checkpointing on, off or a memory budget (`--train-ac on,off,0.5`: a
 number is trainer.activation_memory_budget, the compiler's recomputation instead of whole-layer
 checkpointing) and micro-batches of `--train-micro-tokens` tokens (a sweep: one row each; the first row
-also profiles one step and one log-probs pass: device busy share, top device ops, top host ops).
+also profiles one step and one log-probs pass: device busy share, top device ops, top host ops; and, on
+CUDA, counts where the host waited for the device in each, `host.sync_sites`).
 
 MFU: FLOPs / seconds / the bf16 matmul rate measured on the same GPU (8192^3 GEMMs), FLOPs counted on
 active parameters N (routed experts at top_k / num_experts, embeddings excluded, attention scores and
@@ -172,6 +173,10 @@ def run(
             f"    profile {what}: device busy {p['device_busy_fraction'] or 0:.0%} of {p['wall_s']:.2f}s; "
             f"top: {top}; host ops {p.get('host_ops_s', 0):.2f}s: {host}"
         )
+    for key, what in (("sync_sites", "train step"), ("sync_sites_log_probs", "log-probs")):
+        if r.get(key):
+            sites = "; ".join(f"{s['calls']}x {s['site']}" for s in r[key][:6])
+            log(f"    host waits for the device, {what}: {sites}")
     log(
         f"    trainer (micro-batch {micro_batch_tokens} tokens, {ac_tag(ac)}, compile {compile}): "
         f"{row['train_tokens_per_s']:.0f} tok/s train step, MFU(6N) {row['mfu_6n']:.1%}, "

@@ -178,3 +178,24 @@ def test_trainer_samples_route_to_distinct_experts():
     r = s[1].routed_experts
     assert r.shape == (39, 3, 4) and r.max() < 8
     assert (np.sort(r, -1)[..., 1:] != np.sort(r, -1)[..., :-1]).all()
+
+
+def test_sync_site_names_the_innermost_frame_and_ours():
+    """bench.host.sync_sites counts where the host waited for the device (CUDA's sync debug mode, GPU only);
+    the site of one warning: the innermost frame, then this repository's three innermost, innermost first."""
+    from traceback import FrameSummary
+
+    from bench.host import REPO, sync_site
+
+    stack = [
+        FrameSummary(str(REPO / "bench" / "host.py"), 240, "train_bench"),
+        FrameSummary(str(REPO / "trainer" / "worker.py"), 300, "train_step"),
+        FrameSummary(str(REPO / "trainer" / "worker.py"), 170, "_forward"),
+        FrameSummary(str(REPO / "rl" / "algo.py"), 82, "_check_values"),
+        FrameSummary("/usr/lib/python3/site-packages/torch/_tensor.py", 1100, "__bool__"),
+    ]
+    assert (
+        sync_site(stack) == "_tensor.py:1100 < rl/algo.py:82 < trainer/worker.py:170 < trainer/worker.py:300"
+    )
+    # the innermost frame is ours: named once
+    assert sync_site(stack[:4]) == "rl/algo.py:82 < trainer/worker.py:170 < trainer/worker.py:300"
