@@ -234,7 +234,10 @@ def sync_sites(fn, top: int = 12) -> list[dict]:
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message):
-            counts[sync_site(traceback.extract_stack()[:-1])] += 1
+            stack = traceback.extract_stack()[:-1]
+            while stack and stack[-1].filename == warnings.__file__:  # the warnings module's own frames
+                stack.pop()
+            counts[sync_site(stack)] += 1
 
     _sync()
     with warnings.catch_warnings():

@@ -199,3 +199,31 @@ def test_sync_site_names_the_innermost_frame_and_ours():
     )
     # the innermost frame is ours: named once
     assert sync_site(stack[:4]) == "rl/algo.py:82 < trainer/worker.py:170 < trainer/worker.py:300"
+
+
+def test_sync_sites_counts_the_sync_warnings_by_site(monkeypatch):
+    """The counting around CUDA's sync debug mode. Fake: no GPU here, so CUDA is reported present, the mode
+    switch does nothing, and the function under test raises the warning the mode raises on the GPU."""
+    import warnings
+
+    import torch
+
+    from bench import host
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        for _ in range(3):
+            warnings.warn(
+                "called a synchronizing CUDA operation", UserWarning, stacklevel=1
+            )  # one site, three times
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("something else", UserWarning, stacklevel=1)  # not counted
+
+    sites = host.sync_sites(step)
+    assert [s["calls"] for s in sites] == [3, 1]
+    assert all(s["site"].startswith("tests/unit/test_bench_summarize.py:") for s in sites)  # the step's lines
+    assert modes == ["warn", 0]  # the mode is switched off again
