@@ -57,6 +57,7 @@ def measure(
     """One case; `worker` None (--tiny: no MoE-LoRA engine on CPU) times the export and staging only."""
     from rollout.worker import stacked_experts
 
+    stacked = worker is not None and stacked_experts(worker.spec, worker.info)  # the layout this engine loads
     runs = []
     for i in range(repeats):
         t0 = time.perf_counter()
@@ -68,7 +69,6 @@ def measure(
             "export_inner_s": inner_s,
             "raw_bytes": sum(v.numel() * v.element_size() for v in tensors.values()),
         }
-        stacked = worker is not None and stacked_experts(worker.spec, worker.info)
         run["stage_s"], run["staged_tensor_bytes"] = stage_only(tensors, config, stacked)
         if worker is not None:
             t2 = time.perf_counter()
