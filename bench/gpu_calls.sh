@@ -11,6 +11,8 @@
 #   bash bench/gpu_calls.sh r3pair12           # batches 256 and 64 only: 12 pairs, 256 generated tokens
 #   bash bench/gpu_calls.sh r3profile          # batch 256, 2 pairs in alternation, then one batch each profiled
 #   bash bench/gpu_calls.sh r3control          # the same for nvfp4_lora against itself (the A/A pair)
+#   bash bench/gpu_calls.sh r3pin              # NVFP4+LoRA against R3, 4 pairs, both pinned to the GPU's cores
+#   bash bench/gpu_calls.sh machine            # cores, NUMA nodes, GPU topology, cgroup limits -> machine.txt
 #   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse (trainer_qwen: Qwen3-MoE)
 #   bash bench/gpu_calls.sh trainer32          # the same at 32k-token micro-batches: memory budget 0.5, AC on
 #   bash bench/gpu_calls.sh trainer32off       # ... AC off, memory budget 0.25
@@ -19,11 +21,9 @@
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
 #   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows (both layouts); the 20-step GRPO run
 #
-# Seventh session's plan for the next device time (30 min): the kit, then alone each: `install tests`
-# (both adapter layouts against PEFT, the stacked one now the default), `r3control` then `r3profile` (an R3
-# cost only counts beyond what the A/A pair reads), `trainer32` (its log now names the places where the
-# host waits for the device: 33 waits a train step, 19 a log-probs pass in the seventh session's profile),
-# `sync grpo` if time is left.
+# Eighth session's plan (30 min): the kit, then alone each: `install machine r3control` (the A/A pair, now
+# with each engine's CPU seconds a run: slower host work costs more CPU seconds, waiting costs none),
+# `r3profile`, `r3pin` (the same pair pinned to the GPU's NUMA-local cores), `tests`, `trainer32`.
 #
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
@@ -38,6 +38,7 @@
 set -uo pipefail
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT0="${OUT:-./bench_out}"
+mkdir -p "$OUT0"
 bench() {  # bench NAME ARGS...: one bench.run_all process writing $OUT0/NAME
   local name=$1
   shift
@@ -86,6 +87,23 @@ for call in "$@"; do
     bench muse_r3profile --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3 \
       --rollout-pair nvfp4_lora,nvfp4_lora_r3 --pair-repeats 2 --output-len 256 --batch-sizes 256 \
       --rollout-profile --budget-s 500
+    ;;
+  r3pin)
+    # both engines pinned to the cores of the GPU's NUMA node (bench/paired.py: BENCH_PIN_CPUS)
+    BENCH_PIN_CPUS=local bench muse_r3pin --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3 \
+      --rollout-pair nvfp4_lora,nvfp4_lora_r3 --pair-repeats 4 --output-len 256 --batch-sizes 256 --budget-s 400
+    ;;
+  machine)
+    {
+      lscpu
+      echo "== affinity: $(python3 -c 'import os; print(sorted(os.sched_getaffinity(0)))')"
+      echo "== cgroup cpu.max: $(cat /sys/fs/cgroup/cpu.max 2>/dev/null)"
+      echo "== cpuset: $(cat /sys/fs/cgroup/cpuset.cpus.effective 2>/dev/null)"
+      nvidia-smi topo -m
+      nvidia-smi --query-gpu=pci.bus_id,clocks.sm,clocks.max.sm,power.draw --format=csv
+      for n in /sys/devices/system/node/node*; do echo "$n: $(cat "$n/cpulist")"; done
+    } >"$OUT0/machine.txt" 2>&1
+    grep -E "Model name|Socket|NUMA|affinity|cpu.max|cpuset|GPU0|node" "$OUT0/machine.txt" | head -20
     ;;
   r3control)
     # the A/A pair: nvfp4_lora against itself in another process, as r3profile runs (what pairs read as a

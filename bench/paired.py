@@ -7,7 +7,13 @@ to 2.5x on the H200 while the R3 budget is 3 %: whatever slowed the machine for 
 engine's rows. Paired, a slow spell hits both runs of a pair; the figure is 1 - tok/s(other) / tok/s(base)
 from the per-pair ratios, balanced over the two orders (`paired_cost`).
 
-The children take their orders through a pipe: ("run", prompts, output_len, seed) -> (seconds, tokens).
+The children take their orders through a pipe: ("run", prompts, output_len, seed) -> (seconds, tokens,
+CPU seconds). The CPU seconds are those of the engine's whole process tree (the child and vLLM's engine-core
+process) during the run: the same work costing more CPU time in one engine says its host ran slower (clock,
+cache, memory placement); the same CPU time over a longer run says it waited (for the device, or for a core).
+
+`BENCH_PIN_CPUS` pins both engines' processes to one set of cores before they start: "local" for the cores
+on the GPU's NUMA node (from sysfs), or a list such as "0-7,16". Unset: wherever the OS puts them.
 
 `--rollout-profile` adds, after the timed sweep, one batch of the largest size on each engine under vLLM's
 torch profiler, which runs in the engine's own process: its table of device time per op (kept in
@@ -18,6 +24,7 @@ device (kernels R3 adds or slows) from one on the host (the device idle for long
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import re
 import tempfile
 import time
@@ -83,6 +90,83 @@ def host_ops_delta(base: dict[str, list], other: dict[str, list]) -> tuple[float
     return added, (float(np.median(ratios)) if ratios else None)
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """sysfs's and taskset's core lists ("0-7,16,18-19") as a set."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def format_cpu_list(cpus) -> str:
+    """The inverse of `parse_cpu_list`: sorted, runs joined ("0-3,8")."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def gpu_local_cpus(device: int = 0) -> set[int] | None:
+    """The cores on the GPU's NUMA node (sysfs `local_cpulist` of its PCI device), or None when unknown."""
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(device)
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        return parse_cpu_list(Path(f"/sys/bus/pci/devices/{bus}/local_cpulist").read_text())
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        return None
+
+
+def pin_cpus(spec: str | None) -> set[int] | None:
+    """Pin this process (and what it starts later) to the cores `spec` names (BENCH_PIN_CPUS), within the
+    ones it may use; the set pinned to, or None when `spec` is empty. An empty intersection is an error."""
+    if not spec:
+        return None
+    allowed = os.sched_getaffinity(0)
+    wanted = gpu_local_cpus() if spec == "local" else parse_cpu_list(spec)
+    if wanted is None:
+        raise RuntimeError(
+            "BENCH_PIN_CPUS=local: the GPU's NUMA node is not known here (no CUDA or no sysfs)"
+        )
+    cpus = wanted & allowed
+    if not cpus:
+        raise ValueError(
+            f"BENCH_PIN_CPUS={spec}: none of cores {format_cpu_list(wanted)} is allowed here "
+            f"(allowed: {format_cpu_list(allowed)})"
+        )
+    os.sched_setaffinity(0, cpus)
+    return cpus
+
+
+def tree_cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process and its living descendants so far (vLLM's engine-core process
+    is a child of the one that opened the engine)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:  # ended between the listing and the reading
+            continue
+        total += t.user + t.system
+    return total
+
+
+def _cpu_timed_generate(worker, prompts, output_len: int, seed: int | None) -> tuple[float, int, float]:
+    cpu = tree_cpu_seconds()
+    seconds, tokens = timed_generate(worker, prompts, output_len, seed)
+    return seconds, tokens, tree_cpu_seconds() - cpu
+
+
 def _profiled_generate(worker, key: str, prompts, output_len: int, seed: int) -> dict:
     """One batch under vLLM's profiler; (seconds, tokens) of it, the table's totals and its first rows."""
     table_file = profile_dir(key) / "profiler_out_0.txt"
@@ -115,8 +199,11 @@ def _child(conn, key: str, model: dict, args, adapter_dir: str | None) -> None:
             if cfg is None:
                 raise RuntimeError(f"--tiny: engine {key} cannot run on CPU ({note})")
         profiling = str(profile_dir(key)) if args.rollout_profile else None
+        pinned = pin_cpus(os.environ.get("BENCH_PIN_CPUS"))
         worker, info = engines.open_engine(cfg, model, args, default_stage_root(f"pair_{key}"), profiling)
         info["note"] = note
+        info["cpus"] = format_cpu_list(os.sched_getaffinity(0))
+        info["pinned"] = pinned is not None
         if cfg.lora and adapter_dir:
             worker.load_adapter(adapter_dir, None, version=1)
         conn.send(("up", info))
@@ -129,7 +216,7 @@ def _child(conn, key: str, model: dict, args, adapter_dir: str | None) -> None:
             if kind == "profile":
                 conn.send(("ok", _profiled_generate(worker, key, prompts, output_len, seed)))
             else:
-                conn.send(("ok", timed_generate(worker, prompts, output_len, seed)))
+                conn.send(("ok", _cpu_timed_generate(worker, prompts, output_len, seed)))
     except Exception as e:  # noqa: BLE001 - the parent records it
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
     finally:
@@ -150,7 +237,7 @@ class _Engine:
     def wait_up(self) -> dict:
         return self._reply(START_TIMEOUT_S)
 
-    def run(self, prompts, output_len: int, seed: int) -> tuple[float, int]:
+    def run(self, prompts, output_len: int, seed: int) -> tuple[float, int, float]:
         self.conn.send(("run", prompts, output_len, seed))
         return self._reply(START_TIMEOUT_S)
 
@@ -174,6 +261,16 @@ class _Engine:
         self.proc.join(120)
         if self.proc.is_alive():
             self.proc.kill()
+
+
+def cpu_figures(runs: list[tuple[float, int, float]]) -> dict:
+    """An engine's CPU figures from its timed runs, (seconds, tokens, CPU seconds) each: the median CPU
+    seconds a run, and the median CPU seconds per wall second (cores kept busy; above 1, threads in parallel)."""
+    return {
+        "cpu_s": float(np.median([c for _, _, c in runs])),
+        "cpu_s_all": [round(c, 3) for _, _, c in runs],
+        "cpu_per_wall": float(np.median([c / s for s, _, c in runs])),
+    }
 
 
 def paired_cost(rates_base: list[float], rates_other: list[float]) -> float:
@@ -244,7 +341,7 @@ def sweep_pair(
                 for e in pair:
                     e.run(_prompts(b, args.prompt_len, vocab, seed=10_000 + b), WARMUP_TOKENS, 0)
             for b in args.batch_sizes:
-                runs: dict[str, list[tuple[float, int]]] = {e.key: [] for e in pair}
+                runs: dict[str, list[tuple[float, int, float]]] = {e.key: [] for e in pair}
                 for r in range(repeats):
                     prompts = _prompts(b, args.prompt_len, vocab, seed=b + 1000 * r)
                     for e in pair if r % 2 == 0 else pair[::-1]:
@@ -254,19 +351,22 @@ def sweep_pair(
                     e.key: {
                         **infos[e.key],
                         "config": e.key,
-                        **rollout_row(b, args.prompt_len, args.output_len, runs[e.key]),
+                        **rollout_row(b, args.prompt_len, args.output_len, [r[:2] for r in runs[e.key]]),
+                        **cpu_figures(runs[e.key]),
                         "paired_with": other_key if e.key == base_key else base_key,
                     }
                     for e in pair
                 }
-                base_rates, other_rates = ([t / s for s, t in runs[k]] for k in (base_key, other_key))
+                base_rates, other_rates = ([t / s for s, t, _ in runs[k]] for k in (base_key, other_key))
                 per_pair = [round(1 - o / x, 4) for x, o in zip(base_rates, other_rates)]
                 cost = paired_cost(base_rates, other_rates)
                 rows[other_key].update(paired_cost=cost, paired_costs_all=per_pair)
                 log(
                     f"    batch {b:4d}: {base_key} {rows[base_key]['tokens_per_s']:9.1f} tok/s, {other_key} "
                     f"{rows[other_key]['tokens_per_s']:9.1f} tok/s; paired cost {cost:.1%} "
-                    f"({', '.join(f'{x:.1%}' for x in per_pair)})"
+                    f"({', '.join(f'{x:.1%}' for x in per_pair)}); CPU s a run "
+                    f"{rows[base_key]['cpu_s']:.2f} / {rows[other_key]['cpu_s']:.2f}, CPU per wall second "
+                    f"{rows[base_key]['cpu_per_wall']:.2f} / {rows[other_key]['cpu_per_wall']:.2f}"
                 )
                 yield from rows.values()
             if args.rollout_profile:

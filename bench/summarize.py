@@ -475,14 +475,36 @@ def paired_table(rows: list[dict], model: str) -> list[str]:
                 fmt(r["tokens_per_s"], ".0f"),
                 fmt(r["paired_cost"], ".1%"),
                 ", ".join(f"{x:.1%}" for x in r.get("paired_costs_all", [])),
+                _cpu_pair(b, r, "cpu_s", ".2f"),
+                _cpu_pair(b, r, "cpu_per_wall", ".2f"),
+                r.get("cpus", "—") + (" (pinned)" if r.get("pinned") else ""),
             ]
         )
+    head = [
+        "base",
+        "other",
+        "batch",
+        "base tok/s",
+        "other tok/s",
+        "cost",
+        "per pair",
+        "CPU s",
+        "CPU/wall",
+        "cores",
+    ]
     return [
-        "Run in alternation (same prompts and seeds, order alternating; cost from the per-pair ratios):",
+        "Run in alternation (same prompts and seeds, order alternating; cost from the per-pair ratios; CPU s:",
+        "the engine process tree's median CPU seconds a run, base / other; CPU/wall: per wall second):",
         "",
-        *table(["base", "other", "batch", "base tok/s", "other tok/s", "cost", "per pair"], body),
+        *table(head, body),
         "",
     ]
+
+
+def _cpu_pair(base: dict, other: dict, key: str, spec: str) -> str:
+    if key not in other:  # rows from before the CPU accounting (2026-11-30, eighth session)
+        return "—"
+    return f"{fmt(base.get(key), spec)} / {fmt(other[key], spec)}"
 
 
 def sync_section(rows: list[dict], shares: dict[str, float | None]) -> list[str]:

@@ -5,13 +5,22 @@ arithmetic, the option and how bench/summarize.py judges paired rows."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from argparse import Namespace
 
 import pytest
 
 from bench import summarize
 from bench.common import Results
-from bench.paired import paired_cost
+from bench.paired import (
+    cpu_figures,
+    format_cpu_list,
+    paired_cost,
+    parse_cpu_list,
+    pin_cpus,
+    tree_cpu_seconds,
+)
 from bench.run_all import parse_args
 
 REF = Namespace(ref_prompts=32, ref_n=8, ref_prompt_len=256, ref_response_len=2048)
@@ -214,3 +223,93 @@ def test_r3_goal_quotes_the_added_host_calls_and_the_a_a_pair(tmp_path):
     assert f"R3's added calls {added:.3f} s = {added / 4.0:.1%} of the batch" in line
     assert "the same calls 1.25x the time in the R3 engine's process" in line
     assert "A/A control at batch 256: 12.0% (pairs 4% to 20%)" in line and "FAIL" in line
+
+
+def test_cpu_lists_read_and_write_sysfs_format():
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert format_cpu_list({11, 0, 1, 2, 3, 8, 10}) == "0-3,8,10-11"
+    assert parse_cpu_list(format_cpu_list({5})) == {5}
+
+
+def test_pin_cpus_pins_to_the_allowed_part_and_names_an_impossible_set():
+    """Runs in a spawned process so the test runner's own affinity is left alone."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        allowed = pool.apply(os.sched_getaffinity, (0,))
+        first = min(allowed)
+        assert pool.apply(_pin_and_read, (f"{first},100000",)) == {first}
+        with pytest.raises(ValueError, match=r"BENCH_PIN_CPUS=100000.*allowed"):
+            pool.apply(_pin_and_read, ("100000",))
+    assert pin_cpus("") is None and pin_cpus(None) is None
+
+
+def _pin_and_read(spec):
+    pin_cpus(spec)
+    return os.sched_getaffinity(0)
+
+
+def test_tree_cpu_seconds_counts_a_child_process():
+    """vLLM's engine core is a child of the process that opened the engine: its CPU time must count."""
+    import subprocess
+    import sys
+
+    before = tree_cpu_seconds()
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt=time.process_time()\nwhile time.process_time()-t<0.6: pass\ntime.sleep(30)",
+        ]
+    )
+    try:
+        import psutil
+
+        proc = psutil.Process(child.pid)
+        while proc.cpu_times().user + proc.cpu_times().system < 0.6:
+            time.sleep(0.05)
+        assert tree_cpu_seconds() - before >= 0.6  # this process alone spent far less while waiting
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_cpu_figures_are_medians_per_run_and_per_wall_second():
+    runs = [(2.0, 100, 3.0), (1.0, 100, 1.0), (4.0, 100, 4.0)]
+    fig = cpu_figures(runs)
+    assert fig["cpu_s"] == 3.0
+    assert fig["cpu_s_all"] == [3.0, 1.0, 4.0]
+    assert fig["cpu_per_wall"] == 1.0  # 1.5, 1.0, 1.0
+
+
+def test_paired_table_shows_each_engines_cpu_time_and_cores():
+    rows = [
+        dict(
+            model="m",
+            status="ok",
+            config="a",
+            paired_with="b",
+            batch=256,
+            tokens_per_s=1000.0,
+            cpu_s=5.0,
+            cpu_per_wall=1.1,
+        ),
+        dict(
+            model="m",
+            status="ok",
+            config="b",
+            paired_with="a",
+            batch=256,
+            tokens_per_s=900.0,
+            paired_cost=0.1,
+            paired_costs_all=[0.1],
+            cpu_s=6.5,
+            cpu_per_wall=1.25,
+            cpus="0-7",
+            pinned=True,
+        ),
+    ]
+    text = "\n".join(summarize.paired_table(rows, "m"))
+    assert "| a | b | 256 | 1000 | 900 | 10.0% | 10.0% | 5.00 / 6.50 | 1.10 / 1.25 | 0-7 (pinned) |" in text
+    old = [{k: v for k, v in r.items() if not k.startswith("cpu") and k != "pinned"} for r in rows]
+    assert "| 10.0% | 10.0% | — | — | — |" in "\n".join(summarize.paired_table(old, "m"))
