@@ -12,6 +12,8 @@
 #   bash bench/gpu_calls.sh r3profile          # batch 256, 2 pairs in alternation, then one batch each profiled
 #   bash bench/gpu_calls.sh r3control          # the same for nvfp4_lora against itself (the A/A pair)
 #   bash bench/gpu_calls.sh r3pin              # NVFP4+LoRA against R3, 4 pairs, both pinned to the GPU's cores
+#   bash bench/gpu_calls.sh r3orders           # R3 pairs, 6 each, in two calls: NVFP4+LoRA started first, R3 first
+#   bash bench/gpu_calls.sh r3fine             # the same with 16 shorter pairs a call (128 generated tokens)
 #   bash bench/gpu_calls.sh machine            # cores, NUMA nodes, GPU topology, cgroup limits -> machine.txt
 #   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse (trainer_qwen: Qwen3-MoE)
 #   bash bench/gpu_calls.sh trainer32          # the same at 32k-token micro-batches: memory budget 0.5, AC on
@@ -21,9 +23,10 @@
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
 #   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows (both layouts); the 20-step GRPO run
 #
-# Eighth session's plan (30 min): the kit, then alone each: `install machine r3control` (the A/A pair, now
-# with each engine's CPU seconds a run: slower host work costs more CPU seconds, waiting costs none),
-# `r3profile`, `r3pin` (the same pair pinned to the GPU's NUMA-local cores), `tests`, `trainer32`.
+# Ninth session's plan (30 min): the kit, then alone each: `install r3fine` (R3 against NVFP4+LoRA in many
+# short pairs, each engine started first once: the eighth session's 20 pairs of 256 tokens left R3's cost at
+# 4.3 %, 95 % interval -1.0 to 9.8 %, UNRESOLVED against 3 %), `trainer32` (where the host waits for the
+# device), `sync grpo` if time is left.
 #
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
@@ -92,6 +95,25 @@ for call in "$@"; do
     # both engines pinned to the cores of the GPU's NUMA node (bench/paired.py: BENCH_PIN_CPUS)
     BENCH_PIN_CPUS=local bench muse_r3pin --models muse --only build,rollout --engines nvfp4_lora,nvfp4_lora_r3 \
       --rollout-pair nvfp4_lora,nvfp4_lora_r3 --pair-repeats 4 --output-len 256 --batch-sizes 256 --budget-s 400
+    ;;
+  r3orders)
+    # one call per start order: the engine started second ran slower in an A/A pair (bench.paired.pooled_cost
+    # pools both calls' pairs)
+    for first in plain r3; do
+      pair=nvfp4_lora,nvfp4_lora_r3
+      [ $first = r3 ] && pair=nvfp4_lora_r3,nvfp4_lora
+      bench muse_r3_${first}first --models muse --only build,rollout --engines $pair --rollout-pair $pair \
+        --pair-repeats 6 --output-len 256 --batch-sizes 256 --budget-s 280
+    done
+    ;;
+  r3fine)
+    # the same, 16 pairs of 128 generated tokens a call: the two runs of a pair a few seconds apart
+    for first in plain r3; do
+      pair=nvfp4_lora,nvfp4_lora_r3
+      [ $first = r3 ] && pair=nvfp4_lora_r3,nvfp4_lora
+      bench muse_r3fine_${first}first --models muse --only build,rollout --engines $pair --rollout-pair $pair \
+        --pair-repeats 16 --output-len 128 --batch-sizes 256 --budget-s 300
+    done
     ;;
   machine)
     {

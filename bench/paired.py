@@ -374,3 +374,58 @@ def sweep_pair(
         finally:
             for e in pair:
                 e.close()
+
+
+def pooled_cost(
+    rows: list[dict], base_key: str, other_key: str, batch: int, draws: int = 4000
+) -> dict | None:
+    """`other_key`'s cost relative to `base_key` at one batch size from every pair of the two in `rows`,
+    whichever of them was the base of its call: 1 - tok/s(other) / tok/s(base), with a 95 % interval.
+
+    Pooling several calls matters because one call's pairs share more than the two engines: the engine
+    started second ran up to 25 % slower in an A/A pair on the H200 (the eighth session), so calls with each
+    engine started first are needed for that to cancel. Each pair's log ratio is put in `other`'s
+    orientation and filed under which engine was started first in its call and which ran first within the
+    pair (pair i of a call: its base first in even i); the figure is the mean of those (up to four) groups'
+    medians, so that neither order weighs more because it has more pairs, and the interval the 2.5 and 97.5
+    percentiles of that figure over bootstrap resamples within each group (a fixed seed: the same rows give
+    the same interval; None with fewer than 3 pairs in a group). None when no such pair is there."""
+    groups: dict[tuple[bool, bool], list[float]] = {}  # (other started first, other ran first) -> log ratios
+    calls = pairs_other_started_first = 0
+    for r in rows:
+        if r.get("batch") != batch or not r.get("paired_costs_all"):
+            continue
+        pair = (r.get("paired_with"), r.get("config"))
+        if pair not in ((base_key, other_key), (other_key, base_key)):
+            continue
+        flipped = pair[0] == other_key  # that call's base was `other`, and it was started first
+        calls += 1
+        for i, c in enumerate(r["paired_costs_all"]):
+            log_ratio = float(np.log1p(-c))  # log(tok/s of that call's other / its base)
+            call_base_first = i % 2 == 0
+            groups.setdefault((flipped, call_base_first == flipped), []).append(
+                -log_ratio if flipped else log_ratio
+            )
+            pairs_other_started_first += flipped
+    if not calls:
+        return None
+    present = [np.asarray(g) for g in groups.values()]
+
+    def figure(gs) -> float:
+        return float(np.mean([np.median(g) for g in gs]))
+
+    lo = hi = None
+    if min(len(g) for g in present) >= 3:
+        rng = np.random.default_rng(0)
+        boot = [figure([rng.choice(g, size=len(g)) for g in present]) for _ in range(draws)]
+        low_log, high_log = np.percentile(boot, [2.5, 97.5])
+        lo, hi = float(-np.expm1(high_log)), float(-np.expm1(low_log))  # a higher log ratio is a lower cost
+    pairs = sum(len(g) for g in present)
+    return {
+        "cost": float(-np.expm1(figure(present))),
+        "lo": lo,
+        "hi": hi,
+        "pairs": pairs,
+        "calls": calls,
+        "pairs_other_started_first": pairs_other_started_first,
+    }
