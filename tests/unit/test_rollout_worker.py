@@ -51,6 +51,26 @@ def test_routed_experts_checks():
     assert check_routed_experts(r.astype(np.int64), 5, 2, 8).dtype == np.uint8
 
 
+def test_routed_experts_repeat_check_samples_long_samples():
+    """A long sample's rows are checked for repeats on a spread sample of rows (the first and the last
+    included): garbage in the capture shows there; one bad row between the sampled ones does not."""
+    rows = 1000
+    r = _routing(rows=rows, seed=1)
+    assert check_routed_experts(r, rows, 2, 8) is r
+    for bad in (0, rows - 1, 16 * (-(-rows // 64))):  # first, last, a sampled row in the middle
+        dup = r.copy()
+        dup[bad, 3, 1] = dup[bad, 3, 0]
+        with pytest.raises(RoutedExpertsError, match="repeats an expert"):
+            check_routed_experts(dup, rows, 2, 8)
+    garbage = r.copy()
+    garbage[100:600, :, 1] = garbage[100:600, :, 0]  # a torn stretch of the capture
+    with pytest.raises(RoutedExpertsError, match="repeats an expert"):
+        check_routed_experts(garbage, rows, 2, 8)
+    between = r.copy()
+    between[1, 0, 1] = between[1, 0, 0]  # row 1 lies between sampled rows 0 and 16
+    assert check_routed_experts(between, rows, 2, 8) is between
+
+
 def test_sampled_logprobs_pick_the_sampled_token_not_the_top1():
     from vllm.logprobs import Logprob
 
