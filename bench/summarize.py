@@ -129,13 +129,14 @@ def _one_line(text) -> str:
 
 
 def tps(rows: list[dict], model: str, config: str) -> dict[int, float]:
-    """Tokens/s by batch; a row timed in alternation with an engine outside CONFIGS is left to
-    paired_table (the base engine ran once per pair: its rows from the pair with a listed engine count)."""
-    return {
-        r["batch"]: r["tokens_per_s"]
-        for r in ok(rows)
-        if r["model"] == model and r["config"] == config and r.get("paired_with", config) in CONFIGS
-    }
+    """Tokens/s by batch, the median over the calls that measured it (each row is one call's median); a row
+    timed in alternation with an engine outside CONFIGS is left to paired_table (the base engine ran once
+    per pair: its rows from the pair with a listed engine count)."""
+    by_batch: dict[int, list[float]] = {}
+    for r in ok(rows):
+        if r["model"] == model and r["config"] == config and r.get("paired_with", config) in CONFIGS:
+            by_batch.setdefault(r["batch"], []).append(r["tokens_per_s"])
+    return {b: statistics.median(v) for b, v in by_batch.items()}
 
 
 def ratios(rows: list[dict], model: str) -> dict[str, dict[int, float]]:

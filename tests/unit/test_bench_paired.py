@@ -407,3 +407,12 @@ def test_summary_pools_the_r3_pairs_of_every_call(tmp_path):
         "| nvfp4_lora | nvfp4_lora_r3 | 256 | 1000 |" in md
         and "| nvfp4_lora_r3 | nvfp4_lora | 256 | 500 |" in md
     )
+
+
+def test_throughput_of_several_calls_is_their_median():
+    """Each call writes its own median row; the throughput table takes the median of those, not the last."""
+    rows = [
+        dict(model="muse", status="ok", config="nvfp4_lora", batch=256, tokens_per_s=tps)
+        for tps in (19000.0, 11000.0, 14000.0)
+    ]
+    assert summarize.tps(rows, "muse", "nvfp4_lora") == {256: 14000.0}
