@@ -161,10 +161,20 @@ def tree_cpu_seconds(pid: int | None = None) -> float:
     return total
 
 
-def _cpu_timed_generate(worker, prompts, output_len: int, seed: int | None) -> tuple[float, int, float]:
-    cpu = tree_cpu_seconds()
+def steal_seconds() -> float:
+    """CPU seconds the hypervisor gave to others so far, over all cores (0 where the kernel does not say)."""
+    import psutil
+
+    return float(getattr(psutil.cpu_times(), "steal", 0.0))
+
+
+def _cpu_timed_generate(
+    worker, prompts, output_len: int, seed: int | None
+) -> tuple[float, int, float, float]:
+    """(seconds, tokens, the engine's CPU seconds, the machine's stolen CPU seconds) of one timed batch."""
+    cpu, steal = tree_cpu_seconds(), steal_seconds()
     seconds, tokens = timed_generate(worker, prompts, output_len, seed)
-    return seconds, tokens, tree_cpu_seconds() - cpu
+    return seconds, tokens, tree_cpu_seconds() - cpu, steal_seconds() - steal
 
 
 def _profiled_generate(worker, key: str, prompts, output_len: int, seed: int) -> dict:
@@ -237,7 +247,7 @@ class _Engine:
     def wait_up(self) -> dict:
         return self._reply(START_TIMEOUT_S)
 
-    def run(self, prompts, output_len: int, seed: int) -> tuple[float, int, float]:
+    def run(self, prompts, output_len: int, seed: int) -> tuple[float, int, float, float]:
         self.conn.send(("run", prompts, output_len, seed))
         return self._reply(START_TIMEOUT_S)
 
@@ -263,13 +273,17 @@ class _Engine:
             self.proc.kill()
 
 
-def cpu_figures(runs: list[tuple[float, int, float]]) -> dict:
+def cpu_figures(runs: list[tuple[float, int, float, float]]) -> dict:
     """An engine's CPU figures from its timed runs, (seconds, tokens, CPU seconds) each: the median CPU
-    seconds a run, and the median CPU seconds per wall second (cores kept busy; above 1, threads in parallel)."""
+    seconds a run, the median CPU seconds per wall second (cores kept busy; above 1, threads in parallel), and
+    the machine's stolen CPU seconds in each run (a virtual machine's cores given to other guests: where the
+    slow runs have them, the drift is the host's neighbours)."""
     return {
-        "cpu_s": float(np.median([c for _, _, c in runs])),
-        "cpu_s_all": [round(c, 3) for _, _, c in runs],
-        "cpu_per_wall": float(np.median([c / s for s, _, c in runs])),
+        "cpu_s": float(np.median([c for _, _, c, _ in runs])),
+        "cpu_s_all": [round(c, 3) for _, _, c, _ in runs],
+        "steal_s": float(np.median([st for *_, st in runs])),
+        "steal_s_all": [round(st, 3) for *_, st in runs],
+        "cpu_per_wall": float(np.median([c / s for s, _, c, _ in runs])),
     }
 
 
@@ -341,7 +355,7 @@ def sweep_pair(
                 for e in pair:
                     e.run(_prompts(b, args.prompt_len, vocab, seed=10_000 + b), WARMUP_TOKENS, 0)
             for b in args.batch_sizes:
-                runs: dict[str, list[tuple[float, int, float]]] = {e.key: [] for e in pair}
+                runs: dict[str, list[tuple[float, int, float, float]]] = {e.key: [] for e in pair}
                 for r in range(repeats):
                     prompts = _prompts(b, args.prompt_len, vocab, seed=b + 1000 * r)
                     for e in pair if r % 2 == 0 else pair[::-1]:
@@ -357,7 +371,7 @@ def sweep_pair(
                     }
                     for e in pair
                 }
-                base_rates, other_rates = ([t / s for s, t, _ in runs[k]] for k in (base_key, other_key))
+                base_rates, other_rates = ([t / s for s, t, *_ in runs[k]] for k in (base_key, other_key))
                 per_pair = [round(1 - o / x, 4) for x, o in zip(base_rates, other_rates)]
                 cost = paired_cost(base_rates, other_rates)
                 rows[other_key].update(paired_cost=cost, paired_costs_all=per_pair)

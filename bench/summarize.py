@@ -513,6 +513,7 @@ def paired_table(rows: list[dict], model: str) -> list[str]:
                 ", ".join(f"{x:.1%}" for x in r.get("paired_costs_all", [])),
                 _cpu_pair(b, r, "cpu_s", ".2f"),
                 _cpu_pair(b, r, "cpu_per_wall", ".2f"),
+                _cpu_pair(b, r, "steal_s", ".2f"),
                 r.get("cpus", "—") + (" (pinned)" if r.get("pinned") else ""),
             ]
         )
@@ -526,11 +527,13 @@ def paired_table(rows: list[dict], model: str) -> list[str]:
         "per pair",
         "CPU s",
         "CPU/wall",
+        "stolen s",
         "cores",
     ]
     return [
         "Run in alternation (same prompts and seeds, order alternating; cost from the per-pair ratios; CPU s:",
-        "the engine process tree's median CPU seconds a run, base / other; CPU/wall: per wall second):",
+        "the engine process tree's median CPU seconds a run, base / other; CPU/wall: per wall second;",
+        "stolen s: the machine's CPU seconds taken by the hypervisor during a run, median):",
         "",
         *table(head, body),
         "",

@@ -278,11 +278,12 @@ def test_tree_cpu_seconds_counts_a_child_process():
 
 
 def test_cpu_figures_are_medians_per_run_and_per_wall_second():
-    runs = [(2.0, 100, 3.0), (1.0, 100, 1.0), (4.0, 100, 4.0)]
+    runs = [(2.0, 100, 3.0, 0.0), (1.0, 100, 1.0, 0.25), (4.0, 100, 4.0, 0.0)]
     fig = cpu_figures(runs)
     assert fig["cpu_s"] == 3.0
     assert fig["cpu_s_all"] == [3.0, 1.0, 4.0]
     assert fig["cpu_per_wall"] == 1.0  # 1.5, 1.0, 1.0
+    assert fig["steal_s_all"] == [0.0, 0.25, 0.0] and fig["steal_s"] == 0.0
 
 
 def test_paired_table_shows_each_engines_cpu_time_and_cores():
@@ -308,14 +309,18 @@ def test_paired_table_shows_each_engines_cpu_time_and_cores():
             paired_costs_all=[0.1],
             cpu_s=6.5,
             cpu_per_wall=1.25,
+            steal_s=0.3,
             cpus="0-7",
             pinned=True,
         ),
     ]
     text = "\n".join(summarize.paired_table(rows, "m"))
-    assert "| a | b | 256 | 1000 | 900 | 10.0% | 10.0% | 5.00 / 6.50 | 1.10 / 1.25 | 0-7 (pinned) |" in text
-    old = [{k: v for k, v in r.items() if not k.startswith("cpu") and k != "pinned"} for r in rows]
-    assert "| 10.0% | 10.0% | — | — | — |" in "\n".join(summarize.paired_table(old, "m"))
+    assert (
+        "| a | b | 256 | 1000 | 900 | 10.0% | 10.0% | 5.00 / 6.50 | 1.10 / 1.25 | — / 0.30 | 0-7 (pinned) |"
+        in text
+    )
+    old = [{k: v for k, v in r.items() if not k.startswith(("cpu", "steal")) and k != "pinned"} for r in rows]
+    assert "| 10.0% | 10.0% | — | — | — | — |" in "\n".join(summarize.paired_table(old, "m"))
 
 
 def _pair_row(base, other, per_pair, batch=256):
