@@ -8,9 +8,11 @@ engine's rows. Paired, a slow spell hits both runs of a pair; the figure is 1 - 
 from the per-pair ratios, balanced over the two orders (`paired_cost`).
 
 The children take their orders through a pipe: ("run", prompts, output_len, seed) -> (seconds, tokens,
-CPU seconds). The CPU seconds are those of the engine's whole process tree (the child and vLLM's engine-core
-process) during the run: the same work costing more CPU time in one engine says its host ran slower (clock,
-cache, memory placement); the same CPU time over a longer run says it waited (for the device, or for a core).
+CPU seconds, stolen seconds). The CPU seconds are those of the engine's whole process tree (the child and
+vLLM's engine-core process) during the run: the same work costing more CPU time in one engine says its host
+ran slower (clock, cache, memory placement); the same CPU time over a longer run says it waited (for the
+device, or for a core). The stolen seconds are the whole machine's (a virtual machine's cores lent to other
+guests).
 
 `BENCH_PIN_CPUS` pins both engines' processes to one set of cores before they start: "local" for the cores
 on the GPU's NUMA node (from sysfs), or a list such as "0-7,16". Unset: wherever the OS puts them.
@@ -112,15 +114,27 @@ def format_cpu_list(cpus) -> str:
     return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
-def gpu_local_cpus(device: int = 0) -> set[int] | None:
-    """The cores on the GPU's NUMA node (sysfs `local_cpulist` of its PCI device), or None when unknown."""
-    try:
-        import torch
+def gpu_local_cpus() -> set[int] | None:
+    """The cores on the NUMA node of the first visible GPU (sysfs `local_cpulist` of its PCI device), or None
+    when unknown. The bus id comes from nvidia-smi, not CUDA: CUDA initialised in this process would force
+    vLLM to spawn its engine process."""
+    import subprocess
 
-        props = torch.cuda.get_device_properties(device)
-        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        return parse_cpu_list(Path(f"/sys/bus/pci/devices/{bus}/local_cpulist").read_text())
-    except (AttributeError, OSError, RuntimeError, ValueError):
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    try:
+        bus = subprocess.run(
+            ["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", first],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
+        # nvidia-smi says 00000000:19:00.0, sysfs 0000:19:00.0 (lower case)
+        domain, rest = bus.split(":", 1)
+        return parse_cpu_list(
+            (Path("/sys/bus/pci/devices") / f"{domain[-4:]}:{rest}".lower() / "local_cpulist").read_text()
+        )
+    except (OSError, ValueError, subprocess.SubprocessError):
         return None
 
 
@@ -133,7 +147,7 @@ def pin_cpus(spec: str | None) -> set[int] | None:
     wanted = gpu_local_cpus() if spec == "local" else parse_cpu_list(spec)
     if wanted is None:
         raise RuntimeError(
-            "BENCH_PIN_CPUS=local: the GPU's NUMA node is not known here (no CUDA or no sysfs)"
+            "BENCH_PIN_CPUS=local: the GPU's NUMA node is not known here (no nvidia-smi, or no sysfs entry)"
         )
     cpus = wanted & allowed
     if not cpus:

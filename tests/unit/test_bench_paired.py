@@ -421,3 +421,24 @@ def test_throughput_of_several_calls_is_their_median():
         for tps in (19000.0, 11000.0, 14000.0)
     ]
     assert summarize.tps(rows, "muse", "nvfp4_lora") == {256: 14000.0}
+
+
+def test_gpu_local_cpus_reads_sysfs_at_the_bus_nvidia_smi_names(tmp_path, monkeypatch):
+    """nvidia-smi is faked (no GPU here): a script that prints the bus id, in its format, of a PCI device this
+    machine has; the cores must be that device's sysfs `local_cpulist`."""
+    from pathlib import Path
+
+    from bench.paired import gpu_local_cpus
+
+    devices = sorted(Path("/sys/bus/pci/devices").glob("*/local_cpulist"))
+    if not devices:
+        pytest.skip("no PCI devices in sysfs on this machine")
+    dev = devices[0].parent.name  # e.g. 0000:00:00.0
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\n[ "$4" = 3 ] || exit 9\necho 0000{dev.upper()}\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert gpu_local_cpus() == parse_cpu_list(devices[0].read_text())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # the fake refuses another index: unknown
+    assert gpu_local_cpus() is None
