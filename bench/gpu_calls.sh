@@ -23,10 +23,11 @@
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
 #   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows (both layouts); the 20-step GRPO run
 #
-# Ninth session's plan (30 min): the kit, then alone each: `install r3fine` (R3 against NVFP4+LoRA in many
-# short pairs, each engine started first once: the eighth session's 20 pairs of 256 tokens left R3's cost at
-# 4.3 %, 95 % interval -1.0 to 9.8 %, UNRESOLVED against 3 %), `trainer32` (where the host waits for the
-# device), `sync grpo` if time is left.
+# Ninth session's plan (30 min): the kit, then alone each: `install r3fine` (R3 against NVFP4+LoRA in short
+# pairs, each engine started first once: the eighth session's 20 pairs of 256 tokens left R3's cost at 4.3 %,
+# 95 % interval -1.0 to 9.8 %, UNRESOLVED against 3 %; the pairs now also log the machine's stolen CPU
+# time), `trainer32` (where the host waits for the device), `r3fine` again (the summary pools both calls),
+# `sync grpo` if time is left.
 #
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
