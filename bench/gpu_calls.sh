@@ -58,6 +58,17 @@ bench() {  # bench NAME ARGS...: one bench.run_all process writing $OUT0/NAME
   tar czf "$OUT0/$name.tgz" -C "$OUT0" "$name" && rm -rf "${OUT0:?}/$name"
 }
 
+r3_both_orders() {  # r3_both_orders NAME PAIRS OUTPUT_LEN BUDGET_S: the R3 pair, one call per start order
+  # (the engine started second ran slower in an A/A pair; bench.paired.pooled_cost pools both calls' pairs)
+  local name=$1 pairs=$2 len=$3 budget=$4 first pair
+  for first in plain r3; do
+    pair=nvfp4_lora,nvfp4_lora_r3
+    [ $first = r3 ] && pair=nvfp4_lora_r3,nvfp4_lora
+    bench "${name}_${first}first" --models muse --only build,rollout --engines $pair --rollout-pair $pair \
+      --pair-repeats "$pairs" --output-len "$len" --batch-sizes 256 --budget-s "$budget"
+  done
+}
+
 for call in "$@"; do
   case $call in
   install)
@@ -98,23 +109,11 @@ for call in "$@"; do
       --rollout-pair nvfp4_lora,nvfp4_lora_r3 --pair-repeats 4 --output-len 256 --batch-sizes 256 --budget-s 400
     ;;
   r3orders)
-    # one call per start order: the engine started second ran slower in an A/A pair (bench.paired.pooled_cost
-    # pools both calls' pairs)
-    for first in plain r3; do
-      pair=nvfp4_lora,nvfp4_lora_r3
-      [ $first = r3 ] && pair=nvfp4_lora_r3,nvfp4_lora
-      bench muse_r3_${first}first --models muse --only build,rollout --engines $pair --rollout-pair $pair \
-        --pair-repeats 6 --output-len 256 --batch-sizes 256 --budget-s 280
-    done
+    r3_both_orders muse_r3 6 256 280
     ;;
   r3fine)
-    # the same, 16 pairs of 128 generated tokens a call: the two runs of a pair a few seconds apart
-    for first in plain r3; do
-      pair=nvfp4_lora,nvfp4_lora_r3
-      [ $first = r3 ] && pair=nvfp4_lora_r3,nvfp4_lora
-      bench muse_r3fine_${first}first --models muse --only build,rollout --engines $pair --rollout-pair $pair \
-        --pair-repeats 16 --output-len 128 --batch-sizes 256 --budget-s 300
-    done
+    # 16 pairs of 128 generated tokens a call: the two runs of a pair a few seconds apart
+    r3_both_orders muse_r3fine 16 128 300
     ;;
   machine)
     {

@@ -41,9 +41,9 @@ def _unpacked(paths: list[Path], tmp: Path) -> list[Path]:
     """Folders as they are; `NAME.tgz` archives (bench/gpu_calls.sh packs each call's folder) unpacked
     under tmp, one folder per archive member that holds JSON."""
     out = []
-    for p in paths:
+    for i, p in enumerate(paths):
         if p.is_file() and p.name.endswith((".tgz", ".tar.gz")):
-            dest = tmp / p.name.split(".")[0]
+            dest = tmp / str(i)  # two calls' archives may have the same name (the same call run twice)
             with tarfile.open(p) as tar:
                 tar.extractall(dest, filter="data")
             out += sorted({f.parent for f in dest.rglob("*.json")})
@@ -60,14 +60,15 @@ def load(dirs: list[Path]) -> tuple[list[dict], dict[str, list[dict]]]:
 
 def _load(dirs: list[Path]) -> tuple[list[dict], dict[str, list[dict]]]:
     envs, rows = [], {b: [] for b in BENCHES}
-    for d in dirs:
+    for i, d in enumerate(dirs):
         if (d / "env.json").exists():
             envs.append(json.loads((d / "env.json").read_text()))
         for b in BENCHES:
             if (d / f"{b}.json").exists():
                 # `source`: the call a row came from (rows of two calls of the same pair are two pairs)
                 rows[b] += [
-                    {"source": d.name, **r} for r in json.loads((d / f"{b}.json").read_text())["rows"]
+                    {"source": f"{i}:{d.name}", **r}
+                    for r in json.loads((d / f"{b}.json").read_text())["rows"]
                 ]
     return envs, rows
 

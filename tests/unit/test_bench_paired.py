@@ -112,6 +112,21 @@ def test_summary_reads_packed_calls(tmp_path):
     assert from_archive == from_folder and "| 256 | — | — | 1000 | 990 |" in from_archive
 
 
+def test_summary_keeps_two_calls_whose_archives_have_the_same_name(tmp_path):
+    """The same call run twice in a session comes back as two NAME.tgz in two device folders: both count."""
+    import tarfile
+
+    for n, (base, r3) in enumerate(((1000.0, 990.0), (2000.0, 1990.0))):
+        call = tmp_path / f"src{n}" / "muse_r3fine"
+        call.mkdir(parents=True)
+        _write_pair(call, ((256, base, r3, 0.01),))
+        (tmp_path / f"dev{n}").mkdir()
+        with tarfile.open(tmp_path / f"dev{n}" / "muse_r3fine.tgz", "w:gz") as tar:
+            tar.add(call, arcname="muse_r3fine")
+    md = summarize.render([tmp_path / "dev0" / "muse_r3fine.tgz", tmp_path / "dev1" / "muse_r3fine.tgz"], REF)
+    assert "| 256 | — | — | 1500 | 1490 |" in md  # the median of the two calls' rows, each call read
+
+
 def test_profile_totals_read_torchs_table_footer():
     """The footer torch's key_averages().table() ends with (units as its _format_time writes them)."""
     from bench.paired import profile_totals
