@@ -288,7 +288,7 @@ class _Engine:
 
 
 def cpu_figures(runs: list[tuple[float, int, float, float]]) -> dict:
-    """An engine's CPU figures from its timed runs, (seconds, tokens, CPU seconds) each: the median CPU
+    """An engine's CPU figures from its timed runs, (seconds, tokens, CPU seconds, stolen seconds) each: the median CPU
     seconds a run, the median CPU seconds per wall second (cores kept busy; above 1, threads in parallel), and
     the machine's stolen CPU seconds in each run (a virtual machine's cores given to other guests: where the
     slow runs have them, the drift is the host's neighbours)."""
@@ -307,8 +307,13 @@ def paired_cost(rates_base: list[float], rates_other: list[float]) -> float:
     the H200 too, so the median is taken per order and the two log ratios averaged: that cancels an order
     effect of either sign."""
     logs = np.log(np.asarray(rates_other) / np.asarray(rates_base))
-    by_order = [logs[0::2], logs[1::2]]
-    return float(1 - np.exp(np.mean([np.median(x) for x in by_order if len(x)])))
+    return float(-np.expm1(mean_of_medians([x for x in (logs[0::2], logs[1::2]) if len(x)])))
+
+
+def mean_of_medians(groups) -> float:
+    """The mean of the groups' medians: the log ratio of a set of pairs split by order, each order weighing
+    the same however many pairs it has (`paired_cost` within a call, `pooled_cost` over calls)."""
+    return float(np.mean([np.median(g) for g in groups]))
 
 
 def _profile_rows(pair: list[_Engine], args, vocab: int) -> Iterator[dict]:
@@ -438,19 +443,15 @@ def pooled_cost(
     if not calls:
         return None
     present = [np.asarray(g) for g in groups.values()]
-
-    def figure(gs) -> float:
-        return float(np.mean([np.median(g) for g in gs]))
-
     lo = hi = None
     if min(len(g) for g in present) >= 3:
         rng = np.random.default_rng(0)
-        boot = [figure([rng.choice(g, size=len(g)) for g in present]) for _ in range(draws)]
+        boot = [mean_of_medians([rng.choice(g, size=len(g)) for g in present]) for _ in range(draws)]
         low_log, high_log = np.percentile(boot, [2.5, 97.5])
         lo, hi = float(-np.expm1(high_log)), float(-np.expm1(low_log))  # a higher log ratio is a lower cost
     pairs = sum(len(g) for g in present)
     return {
-        "cost": float(-np.expm1(figure(present))),
+        "cost": float(-np.expm1(mean_of_medians(present))),
         "lo": lo,
         "hi": hi,
         "pairs": pairs,

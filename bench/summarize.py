@@ -140,7 +140,7 @@ def tps(rows: list[dict], model: str, config: str) -> dict[int, float]:
     return {b: statistics.median(v) for b, v in by_batch.items()}
 
 
-def ratios(rows: list[dict], model: str) -> dict[str, dict[int, float]]:
+def ratios(rows: list[dict], model: str) -> dict[str, dict]:
     t = {c: tps(rows, model, c) for c in CONFIGS}
 
     def rel(a, b, f):
@@ -156,8 +156,10 @@ def ratios(rows: list[dict], model: str) -> dict[str, dict[int, float]]:
         and r.get("paired_with") == "nvfp4_lora"
         and "paired_cost" in r
     }
-    paired.update({b: p["cost"] for b, p in r3_pooled(rows, model).items()})
+    pooled = r3_pooled(rows, model)
+    paired.update({b: p["cost"] for b, p in pooled.items()})
     return {
+        "r3_pooled": pooled,  # the pooled figures with their intervals, for the goal's verdict
         "lora_overhead": rel("bf16_lora", "bf16", lambda x, y: 1 - x / y),
         "nvfp4_gain": rel("nvfp4_lora", "bf16_lora", lambda x, y: x / y),
         "r3_cost": {**rel("nvfp4_lora_r3", "nvfp4_lora", lambda x, y: 1 - x / y), **paired},
@@ -321,7 +323,8 @@ def control_pair(rows: list[dict], model: str) -> str:
 def goals(rows: dict, models: list[str], args) -> list[str]:
     body = []
     for m in models:
-        r3 = ratios(rows["rollout"], m)["r3_cost"]
+        rat = ratios(rows["rollout"], m)
+        r3 = rat["r3_cost"]
         graphs = {
             c: {r["graphs"] for r in ok(rows["rollout"]) if r["model"] == m and r["config"] == c}
             for c in ("nvfp4_lora", "nvfp4_lora_r3")
@@ -329,7 +332,7 @@ def goals(rows: dict, models: list[str], args) -> list[str]:
         if r3:
             worst = max(r3.values())
             same = graphs["nvfp4_lora"] == graphs["nvfp4_lora_r3"]
-            pooled = r3_pooled(rows["rollout"], m)
+            pooled = rat["r3_pooled"]
             verdicts = {b: interval_verdict(pooled[b], GOALS["r3_cost"]) for b in pooled}
             verdicts.update({b: verdict(c <= GOALS["r3_cost"]) for b, c in r3.items() if b not in pooled})
             overall = next((v for v in ("FAIL", "UNRESOLVED") if v in verdicts.values()), "PASS")
