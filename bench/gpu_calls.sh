@@ -13,7 +13,8 @@
 #   bash bench/gpu_calls.sh r3control          # the same for nvfp4_lora against itself (the A/A pair)
 #   bash bench/gpu_calls.sh r3pin              # NVFP4+LoRA against R3, 4 pairs, both pinned to the GPU's cores
 #   bash bench/gpu_calls.sh r3orders           # R3 pairs, 6 each, in two calls: NVFP4+LoRA started first, R3 first
-#   bash bench/gpu_calls.sh r3fine             # the same with 16 shorter pairs a call (128 generated tokens)
+#   bash bench/gpu_calls.sh r3short_plain      # 24 pairs of 128 generated tokens, NVFP4+LoRA started first
+#   bash bench/gpu_calls.sh r3short_r3         # ... R3 started first
 #   bash bench/gpu_calls.sh machine            # cores, NUMA nodes, GPU topology, cgroup limits -> machine.txt
 #   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse (trainer_qwen: Qwen3-MoE)
 #   bash bench/gpu_calls.sh trainer32          # the same at 32k-token micro-batches: memory budget 0.5, AC on
@@ -23,11 +24,10 @@
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
 #   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows (both layouts); the 20-step GRPO run
 #
-# Ninth session's plan (30 min): the kit, then alone each: `install r3fine` (R3 against NVFP4+LoRA in short
-# pairs, each engine started first once: the eighth session's 20 pairs of 256 tokens left R3's cost at 4.3 %,
-# 95 % interval -1.0 to 9.8 %, UNRESOLVED against 3 %; the pairs now also log the machine's stolen CPU
-# time), `trainer32` (where the host waits for the device), `r3fine` again (the summary pools both calls),
-# `sync grpo` if time is left.
+# Tenth session's plan (30 min): the kit, then alone each, wrapped in `timeout -s ABRT 570`: `install
+# r3short_plain`, `r3short_r3`, `r3short_plain`, `r3short_r3` (96 pairs with the host probe; the verdict is
+# the probe-adjusted pooled figure of these four calls, decided before they ran: bench/pairstats.py), then
+# `trainer32` if 300 s are left. The ninth session's 88 pairs (no probe) read 1.5 %, interval -1.1 to 5.3 %.
 #
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
@@ -58,15 +58,17 @@ bench() {  # bench NAME ARGS...: one bench.run_all process writing $OUT0/NAME
   tar czf "$OUT0/$name.tgz" -C "$OUT0" "$name" && rm -rf "${OUT0:?}/$name"
 }
 
-r3_both_orders() {  # r3_both_orders NAME PAIRS OUTPUT_LEN BUDGET_S: the R3 pair, one call per start order
-  # (the engine started second ran slower in an A/A pair; bench.paired.pooled_cost pools both calls' pairs)
-  local name=$1 pairs=$2 len=$3 budget=$4 first pair
-  for first in plain r3; do
-    pair=nvfp4_lora,nvfp4_lora_r3
-    [ $first = r3 ] && pair=nvfp4_lora_r3,nvfp4_lora
-    bench "${name}_${first}first" --models muse --only build,rollout --engines $pair --rollout-pair $pair \
-      --pair-repeats "$pairs" --output-len "$len" --batch-sizes 256 --budget-s "$budget"
-  done
+r3_pair_call() {  # r3_pair_call NAME FIRST PAIRS OUTPUT_LEN BUDGET_S: the R3 pair, FIRST (plain or r3) started first
+  local name=$1 first=$2 pairs=$3 len=$4 budget=$5 pair=nvfp4_lora,nvfp4_lora_r3
+  [ "$first" = r3 ] && pair=nvfp4_lora_r3,nvfp4_lora
+  bench "${name}_${first}first" --models muse --only build,rollout --engines $pair --rollout-pair $pair \
+    --pair-repeats "$pairs" --output-len "$len" --batch-sizes 256 --budget-s "$budget"
+}
+
+r3_both_orders() {  # r3_both_orders NAME PAIRS OUTPUT_LEN BUDGET_S: the R3 pair, one run per start order
+  # (the engine started second ran slower in an A/A pair; bench.pairstats.pooled_cost pools both calls' pairs)
+  r3_pair_call "$1" plain "$2" "$3" "$4"
+  r3_pair_call "$1" r3 "$2" "$3" "$4"
 }
 
 for call in "$@"; do
@@ -111,9 +113,10 @@ for call in "$@"; do
   r3orders)
     r3_both_orders muse_r3 6 256 280
     ;;
-  r3fine)
-    # 16 pairs of 128 generated tokens a call: the two runs of a pair a few seconds apart
-    r3_both_orders muse_r3fine 16 128 300
+  r3short_plain | r3short_r3)
+    # one start order a call, 24 pairs of 128 generated tokens: both orders in one call do not fit 570 s on
+    # a fresh machine, whose first engine start compiles for ~100 s (the ninth session)
+    r3_pair_call muse_r3short "${call#r3short_}" 24 128 480
     ;;
   machine)
     {

@@ -14,6 +14,10 @@ ran slower (clock, cache, memory placement); the same CPU time over a longer run
 device, or for a core). The stolen seconds are the whole machine's (a virtual machine's cores lent to other
 guests).
 
+Before each run, with both engines idle, the parent times a fixed piece of Python work (the host probe,
+bench/pairstats.py): a run's host speed is the mean of the probes before and after it, and each pair's
+probe ratio goes on the row (`paired_probe_log_ratios`) for `pooled_cost(adjust=True)`.
+
 `BENCH_PIN_CPUS` pins both engines' processes to one set of cores before they start: "local" for the cores
 on the GPU's NUMA node (from sysfs), or a list such as "0-7,16". Unset: wherever the OS puts them.
 
@@ -38,6 +42,7 @@ import numpy as np
 
 from bench import engines
 from bench.common import log, out_dir
+from bench.pairstats import host_probe_seconds, paired_cost, run_probes
 from bench.rollout import REPEATS, WARMUP_TOKENS, _prompts, rollout_row, timed_generate
 
 START_TIMEOUT_S = 600
@@ -301,21 +306,6 @@ def cpu_figures(runs: list[tuple[float, int, float, float]]) -> dict:
     }
 
 
-def paired_cost(rates_base: list[float], rates_other: list[float]) -> float:
-    """The other engine's cost relative to the base, 1 - other / base, from pairs whose order alternates
-    (base first in even pairs). Whichever engine ran second was slower, on the CPU machine and by a few % on
-    the H200 too, so the median is taken per order and the two log ratios averaged: that cancels an order
-    effect of either sign."""
-    logs = np.log(np.asarray(rates_other) / np.asarray(rates_base))
-    return float(-np.expm1(mean_of_medians([x for x in (logs[0::2], logs[1::2]) if len(x)])))
-
-
-def mean_of_medians(groups) -> float:
-    """The mean of the groups' medians: the log ratio of a set of pairs split by order, each order weighing
-    the same however many pairs it has (`paired_cost` within a call, `pooled_cost` over calls)."""
-    return float(np.mean([np.median(g) for g in groups]))
-
-
 def _profile_rows(pair: list[_Engine], args, vocab: int) -> Iterator[dict]:
     """One profiled batch of the largest size per engine, same prompts and seed; rows for
     rollout_profile.json (marked with `bench`)."""
@@ -375,17 +365,25 @@ def sweep_pair(
                     e.run(_prompts(b, args.prompt_len, vocab, seed=10_000 + b), WARMUP_TOKENS, 0)
             for b in args.batch_sizes:
                 runs: dict[str, list[tuple[float, int, float, float]]] = {e.key: [] for e in pair}
+                order, quiet = [], []  # which engine ran each run, and the host probe before it (time order)
                 for r in range(repeats):
                     prompts = _prompts(b, args.prompt_len, vocab, seed=b + 1000 * r)
                     for e in pair if r % 2 == 0 else pair[::-1]:
                         time.sleep(SETTLE_S)
+                        quiet.append(host_probe_seconds())
+                        order.append(e.key)
                         runs[e.key].append(e.run(prompts, args.output_len, 1 + r))
+                time.sleep(SETTLE_S)
+                quiet.append(host_probe_seconds())
+                probes = {e.key: [p for k, p in zip(order, run_probes(quiet)) if k == e.key] for e in pair}
                 rows = {
                     e.key: {
                         **infos[e.key],
                         "config": e.key,
                         **rollout_row(b, args.prompt_len, args.output_len, [r[:2] for r in runs[e.key]]),
                         **cpu_figures(runs[e.key]),
+                        "probe_ms": 1000 * float(np.median(probes[e.key])),
+                        "probe_ms_all": [round(1000 * p, 3) for p in probes[e.key]],
                         "paired_with": other_key if e.key == base_key else base_key,
                     }
                     for e in pair
@@ -393,13 +391,19 @@ def sweep_pair(
                 base_rates, other_rates = ([t / s for s, t, *_ in runs[k]] for k in (base_key, other_key))
                 per_pair = [round(1 - o / x, 4) for x, o in zip(base_rates, other_rates)]
                 cost = paired_cost(base_rates, other_rates)
-                rows[other_key].update(paired_cost=cost, paired_costs_all=per_pair)
+                probe_logs = [
+                    round(float(np.log(o / x)), 5) for x, o in zip(probes[base_key], probes[other_key])
+                ]
+                rows[other_key].update(
+                    paired_cost=cost, paired_costs_all=per_pair, paired_probe_log_ratios=probe_logs
+                )
                 log(
                     f"    batch {b:4d}: {base_key} {rows[base_key]['tokens_per_s']:9.1f} tok/s, {other_key} "
                     f"{rows[other_key]['tokens_per_s']:9.1f} tok/s; paired cost {cost:.1%} "
                     f"({', '.join(f'{x:.1%}' for x in per_pair)}); CPU s a run "
                     f"{rows[base_key]['cpu_s']:.2f} / {rows[other_key]['cpu_s']:.2f}, CPU per wall second "
-                    f"{rows[base_key]['cpu_per_wall']:.2f} / {rows[other_key]['cpu_per_wall']:.2f}"
+                    f"{rows[base_key]['cpu_per_wall']:.2f} / {rows[other_key]['cpu_per_wall']:.2f}, host probe ms "
+                    f"{rows[base_key]['probe_ms']:.2f} / {rows[other_key]['probe_ms']:.2f}"
                 )
                 yield from rows.values()
             if args.rollout_profile:
@@ -407,54 +411,3 @@ def sweep_pair(
         finally:
             for e in pair:
                 e.close()
-
-
-def pooled_cost(
-    rows: list[dict], base_key: str, other_key: str, batch: int, draws: int = 4000
-) -> dict | None:
-    """`other_key`'s cost relative to `base_key` at one batch size from every pair of the two in `rows`,
-    whichever of them was the base of its call: 1 - tok/s(other) / tok/s(base), with a 95 % interval.
-
-    Pooling several calls matters because one call's pairs share more than the two engines: the engine
-    started second ran up to 25 % slower in an A/A pair on the H200 (the eighth session), so calls with each
-    engine started first are needed for that to cancel. Each pair's log ratio is put in `other`'s
-    orientation and filed under which engine was started first in its call and which ran first within the
-    pair (pair i of a call: its base first in even i); the figure is the mean of those (up to four) groups'
-    medians, so that neither order weighs more because it has more pairs, and the interval the 2.5 and 97.5
-    percentiles of that figure over bootstrap resamples within each group (a fixed seed: the same rows give
-    the same interval; None with fewer than 3 pairs in a group). None when no such pair is there."""
-    groups: dict[tuple[bool, bool], list[float]] = {}  # (other started first, other ran first) -> log ratios
-    calls = pairs_other_started_first = 0
-    for r in rows:
-        if r.get("batch") != batch or not r.get("paired_costs_all"):
-            continue
-        pair = (r.get("paired_with"), r.get("config"))
-        if pair not in ((base_key, other_key), (other_key, base_key)):
-            continue
-        flipped = pair[0] == other_key  # that call's base was `other`, and it was started first
-        calls += 1
-        for i, c in enumerate(r["paired_costs_all"]):
-            log_ratio = float(np.log1p(-c))  # log(tok/s of that call's other / its base)
-            call_base_first = i % 2 == 0
-            groups.setdefault((flipped, call_base_first == flipped), []).append(
-                -log_ratio if flipped else log_ratio
-            )
-            pairs_other_started_first += flipped
-    if not calls:
-        return None
-    present = [np.asarray(g) for g in groups.values()]
-    lo = hi = None
-    if min(len(g) for g in present) >= 3:
-        rng = np.random.default_rng(0)
-        boot = [mean_of_medians([rng.choice(g, size=len(g)) for g in present]) for _ in range(draws)]
-        low_log, high_log = np.percentile(boot, [2.5, 97.5])
-        lo, hi = float(-np.expm1(high_log)), float(-np.expm1(low_log))  # a higher log ratio is a lower cost
-    pairs = sum(len(g) for g in present)
-    return {
-        "cost": float(-np.expm1(mean_of_medians(present))),
-        "lo": lo,
-        "hi": hi,
-        "pairs": pairs,
-        "calls": calls,
-        "pairs_other_started_first": pairs_other_started_first,
-    }

@@ -6,8 +6,9 @@ Rows of same-named files in several folders are merged (e.g. one folder per remo
 issue 11 come first, each with its measured figure and PASS / FAIL:
   R3 cost      1 - tok/s(NVFP4+LoRA+R3) / tok/s(NVFP4+LoRA) <= 3 %, at every batch size measured (where the
                engines ran in alternation, `--rollout-pair`, the pairs of every call pooled with a 95 %
-               interval, bench/paired.pooled_cost: PASS when the interval is at most 3 %, FAIL when it is
-               above, UNRESOLVED when it holds 3 %);
+               interval, bench/pairstats.pooled_cost: PASS when the interval is at most 3 %, FAIL when it is
+               above, UNRESOLVED when it holds 3 %; adjusted for the host probe where every call has one,
+               the unadjusted figure beside it);
   sync share   adapter sync / step time <= 2 %: in the GRPO run (perf/sync_s / perf/step_s, medians) and,
                for the recipe's step, the isolated sync (rank 32, all experts) over a modelled step (below);
   trainer MFU  6 N T / s / measured bf16 matmul rate >= 30 %, at the recipe's activation checkpointing
@@ -28,7 +29,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from bench.paired import host_ops_delta, pooled_cost
+from bench.paired import host_ops_delta
+from bench.pairstats import pooled_cost
 from bench.trainer import ac_fields, parse_ac
 
 BENCHES = ("rollout", "rollout_profile", "sync", "trainer", "kl", "grpo", "lora_experts")
@@ -167,11 +169,18 @@ def ratios(rows: list[dict], model: str) -> dict[str, dict]:
 
 
 def r3_pooled(rows: list[dict], model: str) -> dict[int, dict]:
-    """{batch: bench.paired.pooled_cost of R3 against NVFP4+LoRA} over every call that paired the two."""
+    """{batch: bench.pairstats.pooled_cost of R3 against NVFP4+LoRA} over every call that paired the two:
+    adjusted by the host probe where every such call has one (the verdict's figure, decided before the
+    probe's first GPU call), the raw figure beside it as `raw`; the raw figure alone before the probe."""
     mine = [r for r in ok(rows) if r["model"] == model]
     batches = sorted({r["batch"] for r in mine if r.get("paired_costs_all")})
-    pooled = {b: pooled_cost(mine, "nvfp4_lora", "nvfp4_lora_r3", b) for b in batches}
-    return {b: p for b, p in pooled.items() if p is not None}
+    pooled = {}
+    for b in batches:
+        raw = pooled_cost(mine, "nvfp4_lora", "nvfp4_lora_r3", b)
+        adjusted = pooled_cost(mine, "nvfp4_lora", "nvfp4_lora_r3", b, adjust=True)
+        if raw is not None:
+            pooled[b] = {**adjusted, "raw": raw} if adjusted is not None else raw
+    return pooled
 
 
 def interval_verdict(p: dict, goal: float) -> str:
@@ -182,11 +191,20 @@ def interval_verdict(p: dict, goal: float) -> str:
 
 
 def pooled_text(p: dict) -> str:
-    interval = f"95 % interval {p['lo']:.1%} to {p['hi']:.1%}; " if p["lo"] is not None else ""
-    return (
-        f"{interval}{p['pairs']} pairs in {p['calls']} calls, R3 started first in "
+    def interval(q: dict) -> str:
+        return f"95 % interval {q['lo']:.1%} to {q['hi']:.1%}; " if q["lo"] is not None else ""
+
+    text = (
+        f"{interval(p)}{p['pairs']} pairs in {p['calls']} calls, R3 started first in "
         f"{p['pairs_other_started_first']}"
     )
+    if "raw" in p:
+        raw = p["raw"]
+        text += (
+            f"; adjusted for the host probe, slope {p['host_slope']:.2f}; unadjusted {raw['cost']:.1%}, "
+            + interval(raw).removesuffix("; ")
+        )
+    return text
 
 
 def modelled_step(rows: dict, model: str, args) -> float | None:
@@ -518,6 +536,7 @@ def paired_table(rows: list[dict], model: str) -> list[str]:
                 _cpu_pair(b, r, "cpu_s", ".2f"),
                 _cpu_pair(b, r, "cpu_per_wall", ".2f"),
                 _cpu_pair(b, r, "steal_s", ".2f"),
+                _cpu_pair(b, r, "probe_ms", ".2f"),
                 r.get("cpus", "—") + (" (pinned)" if r.get("pinned") else ""),
             ]
         )
@@ -532,12 +551,14 @@ def paired_table(rows: list[dict], model: str) -> list[str]:
         "CPU s",
         "CPU/wall",
         "stolen s",
+        "probe ms",
         "cores",
     ]
     return [
         "Run in alternation (same prompts and seeds, order alternating; cost from the per-pair ratios; CPU s:",
         "the engine process tree's median CPU seconds a run, base / other; CPU/wall: per wall second;",
-        "stolen s: the machine's CPU seconds taken by the hypervisor during a run, median):",
+        "stolen s: the machine's CPU seconds taken by the hypervisor during a run, median; probe ms: the host",
+        "probe around each run, bench/pairstats.py, median):",
         "",
         *table(head, body),
         "",
@@ -545,7 +566,7 @@ def paired_table(rows: list[dict], model: str) -> list[str]:
 
 
 def _cpu_pair(base: dict, other: dict, key: str, spec: str) -> str:
-    if key not in other:  # rows from before the CPU accounting (2026-11-30, eighth session)
+    if key not in other:  # rows from before the CPU accounting (eighth session) or the probe (ninth)
         return "—"
     return f"{fmt(base.get(key), spec)} / {fmt(other[key], spec)}"
 

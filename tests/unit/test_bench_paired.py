@@ -9,6 +9,7 @@ import os
 import time
 from argparse import Namespace
 
+import numpy as np
 import pytest
 
 from bench import summarize
@@ -16,12 +17,11 @@ from bench.common import Results
 from bench.paired import (
     cpu_figures,
     format_cpu_list,
-    paired_cost,
     parse_cpu_list,
     pin_cpus,
-    pooled_cost,
     tree_cpu_seconds,
 )
+from bench.pairstats import host_probe_seconds, paired_cost, pooled_cost, run_probes
 from bench.run_all import parse_args
 
 REF = Namespace(ref_prompts=32, ref_n=8, ref_prompt_len=256, ref_response_len=2048)
@@ -301,7 +301,7 @@ def test_cpu_figures_are_medians_per_run_and_per_wall_second():
     assert fig["steal_s_all"] == [0.0, 0.25, 0.0] and fig["steal_s"] == 0.0
 
 
-def test_paired_table_shows_each_engines_cpu_time_and_cores():
+def test_paired_table_shows_each_engines_cpu_time_probe_and_cores():
     rows = [
         dict(
             model="m",
@@ -312,6 +312,7 @@ def test_paired_table_shows_each_engines_cpu_time_and_cores():
             tokens_per_s=1000.0,
             cpu_s=5.0,
             cpu_per_wall=1.1,
+            probe_ms=9.1,
         ),
         dict(
             model="m",
@@ -325,17 +326,21 @@ def test_paired_table_shows_each_engines_cpu_time_and_cores():
             cpu_s=6.5,
             cpu_per_wall=1.25,
             steal_s=0.3,
+            probe_ms=9.4,
             cpus="0-7",
             pinned=True,
         ),
     ]
     text = "\n".join(summarize.paired_table(rows, "m"))
     assert (
-        "| a | b | 256 | 1000 | 900 | 10.0% | 10.0% | 5.00 / 6.50 | 1.10 / 1.25 | — / 0.30 | 0-7 (pinned) |"
-        in text
+        "| a | b | 256 | 1000 | 900 | 10.0% | 10.0% | 5.00 / 6.50 | 1.10 / 1.25 | — / 0.30 | 9.10 / 9.40 "
+        "| 0-7 (pinned) |" in text
     )
-    old = [{k: v for k, v in r.items() if not k.startswith(("cpu", "steal")) and k != "pinned"} for r in rows]
-    assert "| 10.0% | 10.0% | — | — | — | — |" in "\n".join(summarize.paired_table(old, "m"))
+    old = [
+        {k: v for k, v in r.items() if not k.startswith(("cpu", "steal", "probe")) and k != "pinned"}
+        for r in rows
+    ]
+    assert "| 10.0% | 10.0% | — | — | — | — | — |" in "\n".join(summarize.paired_table(old, "m"))
 
 
 def _pair_row(base, other, per_pair, batch=256):
@@ -384,6 +389,7 @@ def test_pooled_cost_interval_widens_with_noise_and_needs_three_pairs_a_group():
     p = pooled_cost(noisy, "nvfp4_lora", "nvfp4_lora_r3", 256)
     assert p["lo"] < p["cost"] < p["hi"] and p["hi"] - p["lo"] > 0.03
     assert p == pooled_cost(noisy, "nvfp4_lora", "nvfp4_lora_r3", 256)  # a fixed seed
+    assert p == pooled_cost(noisy[::-1], "nvfp4_lora", "nvfp4_lora_r3", 256)  # calls read in another order
     two = pooled_cost([_call(True, 0.03, 0.0, 0.0, pairs=2)], "nvfp4_lora", "nvfp4_lora_r3", 256)
     assert two["cost"] == pytest.approx(0.03) and two["lo"] is None and two["hi"] is None
 
@@ -457,3 +463,96 @@ def test_gpu_local_cpus_reads_sysfs_at_the_bus_nvidia_smi_names(tmp_path, monkey
     assert gpu_local_cpus() == parse_cpu_list(devices[0].read_text())
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # the fake refuses another index: unknown
     assert gpu_local_cpus() is None
+
+
+def _probed_call(base_started_first, r3_cost, start_effect, rng, pairs=24, host_sd=0.10, probe_sd=0.01):
+    """`_call` on a host whose speed drifts: each run's rate divided by its host slowness h (log-normal,
+    `host_sd`), and the probe before it reading h with `probe_sd` of its own noise, as bench/paired.py
+    writes them on the row."""
+    row = _call(base_started_first, r3_cost, start_effect, 0.0, pairs=pairs)
+    costs, probes = [], []
+    for c in row["paired_costs_all"]:
+        h_base, h_other = np.exp(rng.normal(0, host_sd, 2))
+        costs.append(1 - (1 - c) * h_base / h_other)
+        p_base, p_other = np.array([h_base, h_other]) * np.exp(rng.normal(0, probe_sd, 2))
+        probes.append(float(np.log(p_other / p_base)))
+    row.update(paired_costs_all=costs, paired_probe_log_ratios=probes)
+    return row
+
+
+def test_pooled_cost_adjusted_for_the_host_probe_narrows_the_interval_around_the_true_cost():
+    rng = np.random.default_rng(3)
+    rows = [_probed_call(first, 0.015, 0.04, rng) for first in (True, False, True, False)]
+    raw = pooled_cost(rows, "nvfp4_lora", "nvfp4_lora_r3", 256)
+    adj = pooled_cost(rows, "nvfp4_lora", "nvfp4_lora_r3", 256, adjust=True)
+    assert raw["host_slope"] is None and adj["host_slope"] == pytest.approx(-1.0, abs=0.1)
+    assert adj["lo"] < 0.015 < adj["hi"] and abs(adj["cost"] - 0.015) < 0.005
+    assert (adj["hi"] - adj["lo"]) < 0.4 * (raw["hi"] - raw["lo"])  # the drift was most of the noise
+    assert adj["hi"] < 0.03 < raw["hi"]  # which is what resolves a 3 % goal
+    assert (adj["pairs"], adj["calls"]) == (96, 4)
+
+
+def test_a_probe_that_tracks_nothing_leaves_the_figure_and_old_calls_have_no_adjusted_figure():
+    rng = np.random.default_rng(4)
+    rows = [_probed_call(first, 0.015, 0.0, rng) for first in (True, False)]
+    for row in rows:  # probes of another machine: unrelated to these runs
+        row["paired_probe_log_ratios"] = list(rng.normal(0, 0.1, len(row["paired_costs_all"])))
+    raw = pooled_cost(rows, "nvfp4_lora", "nvfp4_lora_r3", 256)
+    adj = pooled_cost(rows, "nvfp4_lora", "nvfp4_lora_r3", 256, adjust=True)
+    assert abs(adj["host_slope"]) < 0.35 and raw["lo"] < adj["cost"] < raw["hi"]
+    assert adj["hi"] - adj["lo"] > 0.8 * (raw["hi"] - raw["lo"])  # no narrower for a probe of nothing
+    rows.append(_call(True, 0.015, 0.0, 0.0))  # a call from before the probe
+    assert pooled_cost(rows, "nvfp4_lora", "nvfp4_lora_r3", 256, adjust=True) is None
+    assert pooled_cost(rows, "nvfp4_lora", "nvfp4_lora_r3", 256)["calls"] == 3
+
+
+def test_run_probes_average_the_quiet_moments_around_each_run():
+    assert run_probes([1.0, 3.0, 2.0]) == [2.0, 2.5]
+    with pytest.raises(ValueError, match="a probe before each run"):
+        run_probes([1.0])
+
+
+def test_host_probe_takes_longer_for_more_work():
+    small = min(host_probe_seconds(items=10_000, repeats=3) for _ in range(3))
+    large = min(host_probe_seconds(items=100_000, repeats=3) for _ in range(3))
+    assert large > 4 * small > 0
+
+
+def test_summary_judges_r3_on_the_probe_adjusted_figure_and_quotes_the_raw_one(tmp_path):
+    rng = np.random.default_rng(3)
+    for i, first in enumerate((True, False, True, False)):
+        folder = tmp_path / f"call{i}"
+        folder.mkdir()
+        (folder / "env.json").write_text(
+            json.dumps({"date_utc": "2026-01-01T00:00:00+00:00", "command": "x"})
+        )
+        res = Results(folder, "rollout")
+        row = _probed_call(first, 0.015, 0.04, rng)
+        _add_rollout(res, row["paired_with"], 256, 1000.0, paired_with=row["config"])
+        extra = {k: row[k] for k in ("paired_costs_all", "paired_probe_log_ratios")}
+        _add_rollout(
+            res, row["config"], 256, 990.0, paired_with=row["paired_with"], paired_cost=0.01, **extra
+        )
+    md = summarize.render(sorted(tmp_path.iterdir()), REF)
+    line = next(x for x in md.split("### Goals")[1].splitlines() if "R3 cost" in x)
+    assert "adjusted for the host probe, slope -0.99" in line and "unadjusted" in line
+    assert "96 pairs in 4 calls" in line and line.rstrip().endswith("| PASS |")
+
+
+def test_the_kept_archives_give_the_r3_figures_docs_benchmarks_quotes():
+    """docs/benchmarks.md (ninth session) quotes the summary of the archives kept in docs/bench_data: the
+    same command must still give the same figures (an estimator change shows here)."""
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[2] / "docs" / "bench_data"
+    ninth = sorted((data / "2026-11-30-ninth").glob("*.tgz"))
+    assert len(ninth) == 4
+    md = summarize.render([*ninth, data / "2026-11-30-eighth-r3-pairs"], REF)
+    line = next(x for x in md.split("### Goals")[1].splitlines() if "R3 cost" in x)
+    assert (
+        "1.4% at batch 256 (95 % interval -0.3% to 5.7%; 108 pairs in 8 calls, R3 started first in 50)"
+        in line
+    )
+    assert line.rstrip().endswith("| UNRESOLVED |")
+    alone = summarize.render(ninth, REF)
+    assert "1.5% at batch 256 (95 % interval -1.2% to 5.3%; 88 pairs in 4 calls" in alone
