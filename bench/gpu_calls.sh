@@ -17,6 +17,10 @@
 #   bash bench/gpu_calls.sh r3short_r3         # ... R3 started first
 #   bash bench/gpu_calls.sh machine            # cores, NUMA nodes, GPU topology, cgroup limits -> machine.txt
 #   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse (trainer_qwen: Qwen3-MoE)
+#   bash bench/gpu_calls.sh qwen_r3            # Qwen3-MoE: NVFP4+LoRA+R3 (rollout, KL R3 on/off), NVFP4+LoRA
+#   bash bench/gpu_calls.sh qwen_bf16          # Qwen3-MoE: BF16 (rollout, KL floors), BF16+LoRA
+#   bash bench/gpu_calls.sh qwen_sync          # Qwen3-MoE: adapter sync, rank 8/32, attention/all experts
+#   bash bench/gpu_calls.sh trainer_qwen32     # Qwen3-MoE trainer, 32k-token micro-batches, budget 0.5
 #   bash bench/gpu_calls.sh trainer32          # the same at 32k-token micro-batches: memory budget 0.5, AC on
 #   bash bench/gpu_calls.sh trainer32off       # ... AC off, memory budget 0.25
 #   bash bench/gpu_calls.sh lora_experts       # the trainer's compute alone (bench/lora_experts.py), no kit
@@ -25,9 +29,11 @@
 #   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows (both layouts); the 20-step GRPO run
 #
 # Tenth session's plan (30 min): the kit, then alone each, wrapped in `timeout -s ABRT 570`: `install
-# r3short_plain`, `r3short_r3`, `r3short_plain`, `r3short_r3` (96 pairs with the host probe; the verdict is
-# the probe-adjusted pooled figure of these four calls, decided before they ran: bench/pairstats.py), then
-# `trainer32` if 300 s are left. The ninth session's 88 pairs (no probe) read 1.5 %, interval -1.1 to 5.3 %.
+# r3short_plain`, `r3short_r3` (48 pairs with the host probe: does the probe track the host's drift? The
+# verdict is the probe-adjusted pooled figure of calls that all carry it, decided before they ran:
+# bench/pairstats.py), `qwen_r3` (Qwen3-MoE's first rollout and KL rows on the GPU), `trainer_qwen32`.
+# Eleventh: `qwen_bf16`, `qwen_sync`, and `r3short_plain` + `r3short_r3` again if the R3 interval still holds
+# 3 %. The ninth session's 88 pairs (no probe) read 1.5 %, interval -1.2 to 5.3 %.
 #
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
@@ -158,6 +164,26 @@ for call in "$@"; do
     ;;
   trainer32off)
     bench muse_trainer32off --models muse --only build,trainer --train-micro-tokens 32768 --train-ac off,0.25 \
+      --budget-s 470
+    ;;
+  qwen_r3)
+    # Qwen3-MoE: NVFP4+LoRA+R3 (rollout; KL with the trainer replaying the routing and not), NVFP4+LoRA
+    bench qwen3_moe_nvfp4_lora_r3 --models qwen3_moe --only build,rollout,kl --engines nvfp4_lora_r3 --budget-s 330
+    bench qwen3_moe_nvfp4_lora --models qwen3_moe --only rollout --engines nvfp4_lora --budget-s 170
+    ;;
+  qwen_bf16)
+    # Qwen3-MoE: BF16 (rollout, KL floors), BF16+LoRA (rollout)
+    bench qwen3_moe_bf16 --models qwen3_moe --only build,rollout,kl --engines bf16 --budget-s 260
+    bench qwen3_moe_bf16_lora --models qwen3_moe --only rollout --engines bf16_lora --budget-s 230
+    ;;
+  qwen_sync)
+    # Qwen3-MoE: adapter sync, rank 8 and 32, attention-only and all experts, the stacked layout (the default)
+    bench qwen3_moe_sync --models qwen3_moe --only build,sync --engines nvfp4_lora_stacked \
+      --sync-cases 8:attn,8:all,32:attn,32:all --sync-repeats 5 --budget-s 420
+    ;;
+  trainer_qwen32)
+    # Qwen3-MoE trainer at the Muse figure's setting: 32k-token micro-batches, memory budget 0.5
+    bench qwen3_moe_trainer32 --models qwen3_moe --only build,trainer --train-micro-tokens 32768 --train-ac 0.5 \
       --budget-s 470
     ;;
   trainer_qwen)
