@@ -459,7 +459,10 @@ def rollout_section(rows: list[dict], models: list[str]) -> list[str]:
             ]
             for b in batches
         ]
-        r0 = next(r for r in ok(rows) if r["model"] == m)
+        mine = [r for r in ok(rows) if r["model"] == m and "output_len" in r]
+        shapes = " or ".join(  # calls of different lengths pooled (their ratios, not their tok/s, compare)
+            f"{p} + {n}" for p, n in sorted({(r["prompt_len"], r["output_len"]) for r in mine})
+        )
         graphs = sorted(
             {
                 f"{r['config']}: {r['graphs']}"
@@ -469,8 +472,8 @@ def rollout_section(rows: list[dict], models: list[str]) -> list[str]:
             }
         )
         out += [
-            f"**{m}**: output tokens/s, prompt {r0['prompt_len']} + {r0['output_len']} generated tokens a "
-            f"request; CUDA graphs {', '.join(graphs)}",
+            f"**{m}**: output tokens/s, prompt + generated tokens a request {shapes}; CUDA graphs "
+            f"{', '.join(graphs)}",
             "",
         ]
         out += table(["batch", *CONFIGS, "LoRA overhead", "NVFP4 gain (x)", "R3 cost"], body) + [""]

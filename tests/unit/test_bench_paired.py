@@ -556,3 +556,21 @@ def test_the_kept_archives_give_the_r3_figures_docs_benchmarks_quotes():
     assert line.rstrip().endswith("| UNRESOLVED |")
     alone = summarize.render(ninth, REF)
     assert "1.5% at batch 256 (95 % interval -1.2% to 5.3%; 88 pairs in 4 calls" in alone
+
+
+def test_rollout_header_names_every_request_shape_pooled():
+    rows = [
+        dict(
+            model="muse",
+            status="ok",
+            config="nvfp4_lora",
+            batch=256,
+            tokens_per_s=9.0,
+            graphs="g",
+            prompt_len=64,
+            output_len=n,
+        )
+        for n in (256, 128)
+    ]
+    text = "\n".join(summarize.rollout_section(rows, ["muse"]))
+    assert "prompt + generated tokens a request 64 + 128 or 64 + 256;" in text
