@@ -17,7 +17,7 @@
 #   bash bench/gpu_calls.sh r3short_r3         # ... R3 started first
 #   bash bench/gpu_calls.sh machine            # cores, NUMA nodes, GPU topology, cgroup limits -> machine.txt
 #   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse (trainer_qwen: Qwen3-MoE)
-#   bash bench/gpu_calls.sh qwen_r3            # Qwen3-MoE: NVFP4+LoRA+R3 (rollout, KL R3 on/off), NVFP4+LoRA
+#   bash bench/gpu_calls.sh qwen_r3            # Qwen3-MoE: NVFP4+LoRA and +R3 in alternation; KL R3 on/off
 #   bash bench/gpu_calls.sh qwen_bf16          # Qwen3-MoE: BF16 (rollout, KL floors), BF16+LoRA
 #   bash bench/gpu_calls.sh qwen_sync          # Qwen3-MoE: adapter sync, rank 8/32, attention/all experts
 #   bash bench/gpu_calls.sh trainer_qwen32     # Qwen3-MoE trainer, 32k-token micro-batches, budget 0.5
@@ -167,9 +167,10 @@ for call in "$@"; do
       --budget-s 470
     ;;
   qwen_r3)
-    # Qwen3-MoE: NVFP4+LoRA+R3 (rollout; KL with the trainer replaying the routing and not), NVFP4+LoRA
-    bench qwen3_moe_nvfp4_lora_r3 --models qwen3_moe --only build,rollout,kl --engines nvfp4_lora_r3 --budget-s 330
-    bench qwen3_moe_nvfp4_lora --models qwen3_moe --only rollout --engines nvfp4_lora --budget-s 170
+    # Qwen3-MoE: NVFP4+LoRA and NVFP4+LoRA+R3 in alternation at every batch size (one after the other, the
+    # host's drift would decide the R3 figure), then KL with the trainer replaying the routing and not
+    bench qwen3_moe_r3pair --models qwen3_moe --only build,rollout,kl --engines nvfp4_lora,nvfp4_lora_r3 \
+      --rollout-pair nvfp4_lora,nvfp4_lora_r3 --budget-s 480
     ;;
   qwen_bf16)
     # Qwen3-MoE: BF16 (rollout, KL floors), BF16+LoRA (rollout)
