@@ -574,3 +574,30 @@ def test_rollout_header_names_every_request_shape_pooled():
     ]
     text = "\n".join(summarize.rollout_section(rows, ["muse"]))
     assert "prompt + generated tokens a request 64 + 128 or 64 + 256;" in text
+
+
+def test_every_bench_call_in_gpu_calls_sh_parses():
+    """Each `bench NAME ARGS` line of bench/gpu_calls.sh is a bench.run_all command for the GPU machine,
+    whose time is scarce: a misspelt engine, benchmark or option must fail here, not there. Shell variables
+    of `r3_pair_call` are given the values its callers pass."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[2] / "bench" / "gpu_calls.sh").read_text()
+    joined = script.replace("\\\n", " ")
+    values = {'"$pairs"': "24", '"$len"': "128", '"$budget"': "480", "$pair": "nvfp4_lora,nvfp4_lora_r3"}
+    calls = []
+    for line in joined.splitlines():
+        m = re.match(r"\s*(?:BENCH_PIN_CPUS=\S+ )?bench (\S+) (.*)$", line)
+        if not m:
+            continue
+        args = m.group(2)
+        for k, v in values.items():
+            args = args.replace(k, v)
+        assert "$" not in args, f"unknown shell variable in: {line.strip()}"
+        calls.append((m.group(1), parse_args(shlex.split(args))))
+    names = {n for n, _ in calls}
+    assert {"qwen3_moe_r3pair", "qwen3_moe_sync", "qwen3_moe_trainer32", '"${name}_${first}first"'} <= names
+    qwen = dict(calls)["qwen3_moe_r3pair"]
+    assert qwen.models == ["qwen3_moe"] and qwen.rollout_pair == ["nvfp4_lora", "nvfp4_lora_r3"]
