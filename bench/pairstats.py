@@ -95,14 +95,14 @@ def pooled_cost(
     pair (pair i of a call: its base first in even i); the figure is the mean of those (up to four) groups'
     medians, so that neither order weighs more because it has more pairs, and the interval the 2.5 and 97.5
     percentiles of that figure over bootstrap resamples within each group (a fixed seed: the same pairs give
-    the same interval, in whatever order; None with fewer than 3 pairs in a group). None when no such pair is there.
+    the same interval, in whatever order; None with fewer than 3 pairs in a group). None when no such pair
+    is there.
 
     `adjust`: the same after removing from each pair the part of its log ratio that its host-probe ratio
     predicts (module docstring; the slope refitted in every resample, and returned as `host_slope`); None
     when a call in `rows` has no probes (calls made before the probe)."""
-    groups: dict[
-        tuple[bool, bool], list[tuple[float, float | None]]
-    ] = {}  # (other started first, other ran first) -> (y, x)
+    # (other started first, other ran first) -> its pairs' (log ratio, probe log ratio or None)
+    groups: dict[tuple[bool, bool], list[tuple[float, float | None]]] = {}
     calls = pairs_other_started_first = 0
     for r in rows:
         if r.get("batch") != batch or not r.get("paired_costs_all"):
@@ -136,11 +136,8 @@ def pooled_cost(
         boot = []
         for _ in range(draws):
             picks = [rng.integers(0, len(y), size=len(y)) for y in ys]
-            boot.append(
-                _adjusted_figure([y[p] for y, p in zip(ys, picks)], xs and [x[p] for x, p in zip(xs, picks)])[
-                    0
-                ]
-            )
+            drawn_xs = None if xs is None else [x[p] for x, p in zip(xs, picks)]
+            boot.append(_adjusted_figure([y[p] for y, p in zip(ys, picks)], drawn_xs)[0])
         low_log, high_log = np.percentile(boot, [2.5, 97.5])
         lo, hi = float(-np.expm1(high_log)), float(-np.expm1(low_log))  # a higher log ratio is a lower cost
     return {
