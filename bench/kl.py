@@ -47,7 +47,14 @@ def collect(worker, requests: list, n: int, max_tokens: int, seed: int = 1) -> l
     return [s for s in samples if len(s.response_ids) >= 1]
 
 
-def _summary(metrics: dict, samples: list) -> dict:
+def _summary(trainer_logp: list, samples: list) -> dict:
+    """A KL row: the driver's `rollout_corr/*` figures, and each sample's k3 sum and token count, so that two
+    rows that scored the same samples (R3 on and off) compare pairwise (bench.summarize.kl_paired)."""
+    from rl import algo
+    from rl.driver import mismatch_metrics, mismatch_tensors
+
+    metrics = mismatch_metrics(trainer_logp, samples)
+    sums, counts = algo.k3_sequence_sums(*mismatch_tensors(trainer_logp, samples))
     return {
         "k3_kl": metrics["rollout_corr/k3_kl"],
         "k3_kl_max_token": metrics["rollout_corr/k3_kl_max"],
@@ -57,16 +64,50 @@ def _summary(metrics: dict, samples: list) -> dict:
         "samples": len(samples),
         "response_tokens": int(sum(len(s.response_ids) for s in samples)),
         "mean_response_logp": float(np.mean(np.concatenate([s.response_logprobs for s in samples]))),
+        "k3_seq_sums": [float(f"{v:.6g}") for v in sums.tolist()],
+        "seq_tokens": [int(v) for v in counts.tolist()],
     }
 
 
-def same_engine_floor(worker, samples: list) -> dict:
-    """The engine's sampled log-probs against its own prefill log-probs of the same sequences."""
-    from rl.driver import mismatch_metrics
+def nonfinite_report(logps: list, samples: list) -> str | None:
+    """Where prefill log-probs (one array per prompt + response, `prompt_logprobs` layout) are NaN or inf,
+    in words; None when all are finite. Qwen3-MoE's NVFP4 + LoRA engine gave NaN/inf for most response
+    tokens of its own samples on the H200 (the tenth session) while sampling them was fine: this says which
+    kind, where in the sequence it starts, and how many sequences, so that the next run can tell a kernel
+    that breaks past some length from one that breaks for every token."""
+    flat = np.concatenate([np.asarray(lp, dtype=np.float64) for lp in logps])
+    if np.isfinite(flat).all():
+        return None
+    first_bad, bad_in_response, seq_len = [], 0, []
+    for lp, s in zip(logps, samples):
+        lp = np.asarray(lp, dtype=np.float64)
+        bad = np.flatnonzero(~np.isfinite(lp))
+        if len(bad):
+            first_bad.append(int(bad[0]) + 1)  # position in the sequence (entry 0 scores token 1)
+            seq_len.append(len(lp) + 1)
+            bad_in_response += int(np.sum(bad >= len(lp) - len(s.response_ids)))
+    return (
+        f"{int(np.isnan(flat).sum())} NaN, {int(np.isneginf(flat).sum())} -inf, "
+        f"{int(np.isposinf(flat).sum())} +inf of {flat.size} positions ({bad_in_response} in responses); "
+        f"{len(first_bad)} of {len(samples)} sequences; first bad position median {np.median(first_bad):.0f} "
+        f"(min {min(first_bad)}, max {max(first_bad)}) of lengths median {np.median(seq_len):.0f} "
+        f"(prompt median {np.median([len(s.prompt_ids) for s in samples]):.0f})"
+    )
 
-    full = worker.prompt_logprobs([s.prompt_ids + s.response_ids for s in samples], use_adapter=True)
+
+def same_engine_floor(worker, samples: list) -> dict:
+    """The engine's sampled log-probs against its own prefill log-probs of the same sequences. Non-finite
+    prefill log-probs fail with nonfinite_report's account, with and without the adapter (is it LoRA's?)."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    full = worker.prompt_logprobs(seqs, use_adapter=True)
+    broken = nonfinite_report(full, samples)
+    if broken:
+        without = nonfinite_report(worker.prompt_logprobs(seqs, use_adapter=False), samples)
+        raise ValueError(
+            f"prefill log-probs not finite: with the adapter {broken}; without it {without or 'all finite'}"
+        )
     rescored = [lp[len(lp) - len(s.response_ids) :] for lp, s in zip(full, samples)]
-    return _summary(mismatch_metrics(rescored, samples), samples)
+    return _summary(rescored, samples)
 
 
 def adapter_effect(worker, samples: list) -> float:
@@ -83,12 +124,10 @@ def adapter_effect(worker, samples: list) -> float:
 
 def score(host, trainer: str, samples: list, replay: bool) -> dict:
     """The trainer's log-probs of `samples` (routing replayed or live) against the rollout's."""
-    from rl.driver import mismatch_metrics
-
     if not replay:
         samples = [dataclasses.replace(s, routed_experts=None) for s in samples]
     logp, metrics, seconds = host.call("log_probs", trainer, samples)
-    row = _summary(mismatch_metrics(logp, samples), samples)
+    row = _summary(logp, samples)
     row.update(
         r3_replayed_fraction=metrics["r3/replayed_fraction"],
         trainer_entropy=metrics["actor/entropy"],

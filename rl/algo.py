@@ -255,6 +255,19 @@ def rollout_mismatch_metrics(
     }
 
 
+def k3_sequence_sums(
+    logp_trainer: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] each -> (each sequence's sum of k3 over its tokens, its token count), [B] each, float64:
+    `rollout_corr/k3_kl` is sums.sum() / counts.sum(). Two scorings of the same sequences (R3 on and off)
+    compare pairwise through these, resampling sequences (bench.summarize)."""
+    m = _check_mask("mask", mask)
+    d = _check_values("logp_trainer", logp_trainer, m).double() - _check_values(
+        "logp_rollout", logp_rollout, m
+    )
+    return torch.where(m, _k3(d), 0.0).sum(-1), m.sum(-1).double()
+
+
 # ----------------------------------------------------------------------------------------------------
 # Off-policy correction from rollout log-probs: rho = pi_old / pi_rollout, fixed before the update
 # (pi_old = the trainer's log-probs with the rollout's adapter), so a trainer computes it once per step.

@@ -372,8 +372,10 @@ class Run:
             ray.shutdown()
 
 
-def mismatch_metrics(trainer_logp: list[np.ndarray], samples: list[Sample]) -> dict:
-    """`rollout_corr/*` over all response tokens: trainer (adapter v, replayed routing) vs rollout log-probs."""
+def mismatch_tensors(
+    trainer_logp: list[np.ndarray], samples: list[Sample]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trainer's and the rollout's response log-probs, padded to [B, T] float64, and their mask."""
     width = max(len(s.response_ids) for s in samples)
     t = torch.zeros(len(samples), width, dtype=torch.float64)
     r = torch.zeros_like(t)
@@ -383,6 +385,12 @@ def mismatch_metrics(trainer_logp: list[np.ndarray], samples: list[Sample]) -> d
         t[i, :n] = torch.from_numpy(np.array(lp, dtype=np.float64))
         r[i, :n] = torch.from_numpy(np.array(s.response_logprobs, dtype=np.float64))
         mask[i, :n] = 1
+    return t, r, mask
+
+
+def mismatch_metrics(trainer_logp: list[np.ndarray], samples: list[Sample]) -> dict:
+    """`rollout_corr/*` over all response tokens: trainer (adapter v, replayed routing) vs rollout log-probs."""
+    t, r, mask = mismatch_tensors(trainer_logp, samples)
     return {k: float(v) for k, v in algo.rollout_mismatch_metrics(t, r, mask).items()}
 
 

@@ -572,7 +572,7 @@ def test_rollout_header_names_every_request_shape_pooled():
         )
         for n in (256, 128)
     ]
-    text = "\n".join(summarize.rollout_section(rows, ["muse"]))
+    text = "\n".join(summarize.rollout_section(rows, {"muse": summarize.ratios(rows, "muse")}))
     assert "prompt + generated tokens a request 64 + 128 or 64 + 256;" in text
 
 
