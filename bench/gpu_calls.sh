@@ -18,6 +18,10 @@
 #   bash bench/gpu_calls.sh machine            # cores, NUMA nodes, GPU topology, cgroup limits -> machine.txt
 #   bash bench/gpu_calls.sh trainer            # trainer tokens/s, MFU, memory: Muse (trainer_qwen: Qwen3-MoE)
 #   bash bench/gpu_calls.sh qwen_r3            # Qwen3-MoE: NVFP4+LoRA and +R3 in alternation; KL R3 on/off
+#   bash bench/gpu_calls.sh qwen_kl            # Qwen3-MoE: R3 engine alone, KL R3 on/off, same-engine floor
+#   bash bench/gpu_calls.sh qwen_r3short_plain # Qwen3-MoE: 16 R3 pairs at batch 256 (_r3: R3 started first)
+#   bash bench/gpu_calls.sh r3conc_plain       # two GPUs: the R3 pair at once, one GPU each (_r3: R3 on GPU 0)
+#   bash bench/gpu_calls.sh qwen_r3conc_plain  # ... Qwen3-MoE (qwen_r3conc_r3: R3 on GPU 0)
 #   bash bench/gpu_calls.sh qwen_bf16          # Qwen3-MoE: BF16 (rollout, KL floors), BF16+LoRA
 #   bash bench/gpu_calls.sh qwen_sync          # Qwen3-MoE: adapter sync, rank 8/32, attention/all experts
 #   bash bench/gpu_calls.sh trainer_qwen32     # Qwen3-MoE trainer, 32k-token micro-batches, budget 0.5
@@ -64,11 +68,20 @@ bench() {  # bench NAME ARGS...: one bench.run_all process writing $OUT0/NAME
   tar czf "$OUT0/$name.tgz" -C "$OUT0" "$name" && rm -rf "${OUT0:?}/$name"
 }
 
-r3_pair_call() {  # r3_pair_call NAME FIRST PAIRS OUTPUT_LEN BUDGET_S: the R3 pair, FIRST (plain or r3) started first
-  local name=$1 first=$2 pairs=$3 len=$4 budget=$5 pair=nvfp4_lora,nvfp4_lora_r3
+r3_pair_call() {  # r3_pair_call NAME FIRST PAIRS OUTPUT_LEN BUDGET_S [MODEL]: the R3 pair at batch 256, FIRST
+  # (plain or r3) started first, on MODEL (muse by default)
+  local name=$1 first=$2 pairs=$3 len=$4 budget=$5 model=${6:-muse} pair=nvfp4_lora,nvfp4_lora_r3
   [ "$first" = r3 ] && pair=nvfp4_lora_r3,nvfp4_lora
-  bench "${name}_${first}first" --models muse --only build,rollout --engines $pair --rollout-pair $pair \
+  bench "${name}_${first}first" --models "$model" --only build,rollout --engines $pair --rollout-pair $pair \
     --pair-repeats "$pairs" --output-len "$len" --batch-sizes 256 --budget-s "$budget"
+}
+
+r3_conc_call() {  # r3_conc_call NAME FIRST PAIRS OUTPUT_LEN BUDGET_S MODEL: the R3 pair at batch 256 on the two-GPU
+  # machine, both engines at once, one GPU each; FIRST (plain or r3) has GPU 0 (and is started first)
+  local name=$1 first=$2 pairs=$3 len=$4 budget=$5 model=$6 pair=nvfp4_lora,nvfp4_lora_r3
+  [ "$first" = r3 ] && pair=nvfp4_lora_r3,nvfp4_lora
+  bench "${name}_${first}gpu0" --models "$model" --only build,rollout --engines $pair --rollout-pair $pair \
+    --pair-concurrent --pair-repeats "$pairs" --output-len "$len" --batch-sizes 256 --budget-s "$budget"
 }
 
 r3_both_orders() {  # r3_both_orders NAME PAIRS OUTPUT_LEN BUDGET_S: the R3 pair, one run per start order
@@ -171,6 +184,22 @@ for call in "$@"; do
     # host's drift would decide the R3 figure), then KL with the trainer replaying the routing and not
     bench qwen3_moe_r3pair --models qwen3_moe --only build,rollout,kl --engines nvfp4_lora,nvfp4_lora_r3 \
       --rollout-pair nvfp4_lora,nvfp4_lora_r3 --budget-s 480
+    ;;
+  qwen_kl)
+    # Qwen3-MoE: NVFP4+LoRA+R3 alone (rollout), its samples scored by the trainer with R3 and without, and the
+    # same-engine floor (qwen_r3's pairs leave too little of its budget for the KL on a fresh machine)
+    bench qwen3_moe_kl --models qwen3_moe --only build,rollout,kl --engines nvfp4_lora_r3 --budget-s 320
+    ;;
+  qwen_r3short_plain | qwen_r3short_r3)
+    # Qwen3-MoE's R3 pair at batch 256 only: 16 pairs of 128 generated tokens, one start order a call
+    r3_pair_call qwen3_moe_r3short "${call#qwen_r3short_}" 16 128 400 qwen3_moe
+    ;;
+  r3conc_plain | r3conc_r3 | qwen_r3conc_plain | qwen_r3conc_r3)
+    # two-GPU machine: the R3 pair at once, one GPU each, 24 pairs of 128 generated tokens; _plain gives
+    # NVFP4+LoRA GPU 0, _r3 gives it to R3 (a call of each balances the two GPUs, bench.pairstats.pooled_cost)
+    model=muse
+    [ "${call#qwen_}" != "$call" ] && model=qwen3_moe
+    r3_conc_call "${model}_r3conc" "${call##*_}" 24 128 400 "$model"
     ;;
   qwen_bf16)
     # Qwen3-MoE: BF16 (rollout, KL floors), BF16+LoRA (rollout)

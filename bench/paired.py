@@ -21,6 +21,12 @@ probe ratio goes on the row (`paired_probe_log_ratios`) for `pooled_cost(adjust=
 `BENCH_PIN_CPUS` pins both engines' processes to one set of cores before they start: "local" for the cores
 on the GPU's NUMA node (from sysfs), or a list such as "0-7,16". Unset: wherever the OS puts them.
 
+`--pair-concurrent` (the two-GPU machine) runs the two engines at the same time instead, each on its own GPU
+(the first engine of the pair on the first visible GPU): a pair's two runs then share whatever the host is
+doing during them, where runs in alternation, seconds apart, differed by ~10 % with nothing between them
+(the eighth to tenth sessions). Which GPU an engine has takes the place of which engine started first:
+a second call with the pair listed the other way round balances it (`pooled_cost` pools the calls).
+
 `--rollout-profile` adds, after the timed sweep, one batch of the largest size on each engine under vLLM's
 torch profiler, which runs in the engine's own process: its table of device time per op (kept in
 $OUT/profile_<engine>/) gives each engine's device seconds for the same work, which tells a cost on the
@@ -187,13 +193,21 @@ def steal_seconds() -> float:
     return float(getattr(psutil.cpu_times(), "steal", 0.0))
 
 
-def _cpu_timed_generate(
-    worker, prompts, output_len: int, seed: int | None
-) -> tuple[float, int, float, float]:
-    """(seconds, tokens, the engine's CPU seconds, the machine's stolen CPU seconds) of one timed batch."""
-    cpu, steal = tree_cpu_seconds(), steal_seconds()
+# One timed batch: (seconds, tokens, the engine's CPU seconds, the machine's stolen CPU seconds, its start as
+# time.time(), comparable between the processes)
+Run = tuple[float, int, float, float, float]
+
+
+def _cpu_timed_generate(worker, prompts, output_len: int, seed: int | None) -> Run:
+    cpu, steal, started = tree_cpu_seconds(), steal_seconds(), time.time()
     seconds, tokens = timed_generate(worker, prompts, output_len, seed)
-    return seconds, tokens, tree_cpu_seconds() - cpu, steal_seconds() - steal
+    return seconds, tokens, tree_cpu_seconds() - cpu, steal_seconds() - steal, started
+
+
+def overlap_fraction(a: Run, b: Run) -> float:
+    """How much of the longer of two runs the other ran beside it: 1 for runs at once, 0 for runs in turn."""
+    start, end = max(a[4], b[4]), min(a[4] + a[0], b[4] + b[0])
+    return max(0.0, end - start) / max(a[0], b[0])
 
 
 def _profiled_generate(worker, key: str, prompts, output_len: int, seed: int) -> dict:
@@ -233,6 +247,7 @@ def _child(conn, key: str, model: dict, args, adapter_dir: str | None) -> None:
         info["note"] = note
         info["cpus"] = format_cpu_list(os.sched_getaffinity(0))
         info["pinned"] = pinned is not None
+        info["gpu"] = os.environ.get("CUDA_VISIBLE_DEVICES")
         if cfg.lora and adapter_dir:
             worker.load_adapter(adapter_dir, None, version=1)
         conn.send(("up", info))
@@ -254,21 +269,47 @@ def _child(conn, key: str, model: dict, args, adapter_dir: str | None) -> None:
         conn.close()
 
 
+def visible_gpu(i: int) -> str:
+    """The CUDA_VISIBLE_DEVICES entry of the i-th GPU this process sees (the parent's own list, if it has one)."""
+    seen = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if seen and i >= len(seen):
+        raise RuntimeError(f"--pair-concurrent needs GPU {i}, but CUDA_VISIBLE_DEVICES lists {len(seen)}")
+    return seen[i] if seen else str(i)
+
+
 class _Engine:
-    def __init__(self, key: str, model: dict, args, adapter_dir: str | None):
+    def __init__(self, key: str, model: dict, args, adapter_dir: str | None, gpu: str | None = None):
         self.key = key
         ctx = mp.get_context("spawn")  # vLLM and CUDA need a fresh interpreter
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_child, args=(child, key, model, args, adapter_dir), daemon=False)
-        self.proc.start()
+        # A spawned child starts with the parent's environment as it is at start(): its one GPU, set here,
+        # is all that CUDA and vLLM in it will see.
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if gpu is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+        try:
+            self.proc.start()
+        finally:
+            if gpu is not None:
+                if saved is None:
+                    del os.environ["CUDA_VISIBLE_DEVICES"]
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
         child.close()
 
     def wait_up(self) -> dict:
         return self._reply(START_TIMEOUT_S)
 
-    def run(self, prompts, output_len: int, seed: int) -> tuple[float, int, float, float]:
+    def start(self, prompts, output_len: int, seed: int) -> None:
         self.conn.send(("run", prompts, output_len, seed))
+
+    def result(self) -> Run:
         return self._reply(START_TIMEOUT_S)
+
+    def run(self, prompts, output_len: int, seed: int) -> Run:
+        self.start(prompts, output_len, seed)
+        return self.result()
 
     def profile(self, prompts, output_len: int, seed: int) -> dict:
         self.conn.send(("profile", prompts, output_len, seed))
@@ -292,17 +333,17 @@ class _Engine:
             self.proc.kill()
 
 
-def cpu_figures(runs: list[tuple[float, int, float, float]]) -> dict:
-    """An engine's CPU figures from its timed runs, (seconds, tokens, CPU seconds, stolen seconds) each: the median CPU
+def cpu_figures(runs: list[Run]) -> dict:
+    """An engine's CPU figures from its timed runs (`Run`): the median CPU
     seconds a run, the median CPU seconds per wall second (cores kept busy; above 1, threads in parallel), and
     the machine's stolen CPU seconds in each run (a virtual machine's cores given to other guests: where the
     slow runs have them, the drift is the host's neighbours)."""
     return {
-        "cpu_s": float(np.median([c for _, _, c, _ in runs])),
-        "cpu_s_all": [round(c, 3) for _, _, c, _ in runs],
-        "steal_s": float(np.median([st for *_, st in runs])),
-        "steal_s_all": [round(st, 3) for *_, st in runs],
-        "cpu_per_wall": float(np.median([c / s for s, _, c, _ in runs])),
+        "cpu_s": float(np.median([r[2] for r in runs])),
+        "cpu_s_all": [round(r[2], 3) for r in runs],
+        "steal_s": float(np.median([r[3] for r in runs])),
+        "steal_s_all": [round(r[3], 3) for r in runs],
+        "cpu_per_wall": float(np.median([r[2] / r[0] for r in runs])),
     }
 
 
@@ -348,6 +389,9 @@ def sweep_pair(
     from trainer.checkpoint_io import write_adapter
 
     vocab = model["config"]["vocab_size"]
+    concurrent = bool(getattr(args, "pair_concurrent", False))
+    # each engine on its own GPU when they run at the same time (on the CPU machine: both on the CPU)
+    gpus = [visible_gpu(i) for i in range(2)] if concurrent and not args.tiny else [None, None]
     with tempfile.TemporaryDirectory(prefix="sparkrl_pair_") as tmp:
         adapter_dir = str(write_adapter(Path(tmp) / "adapter", *adapter)) if adapter else None
         pair: list[_Engine] = []
@@ -355,19 +399,27 @@ def sweep_pair(
             infos = {}
             # One after the other: vLLM sizes its KV cache from the memory that changed on the GPU while it
             # profiled, so an engine starting beside another one would count the other's allocations.
-            for key in (base_key, other_key):
+            for key, gpu in zip((base_key, other_key), gpus):
                 t = time.time()
-                pair.append(_Engine(key, model, args, adapter_dir))
+                pair.append(_Engine(key, model, args, adapter_dir, gpu))
                 infos[key] = pair[-1].wait_up()
                 log(f"  engine {key} up ({infos[key].get('graphs')}; {time.time() - t:.0f}s)")
             for b in args.batch_sizes:  # kernel compilation and autotuning at new shapes, untimed
                 for e in pair:
                     e.run(_prompts(b, args.prompt_len, vocab, seed=10_000 + b), WARMUP_TOKENS, 0)
             for b in args.batch_sizes:
-                runs: dict[str, list[tuple[float, int, float, float]]] = {e.key: [] for e in pair}
+                runs: dict[str, list[Run]] = {e.key: [] for e in pair}
                 order, quiet = [], []  # which engine ran each run, and the host probe before it (time order)
                 for r in range(repeats):
                     prompts = _prompts(b, args.prompt_len, vocab, seed=b + 1000 * r)
+                    if concurrent:  # both at once: one probe before the pair, shared by its two runs
+                        time.sleep(SETTLE_S)
+                        quiet.append(host_probe_seconds())
+                        for e in pair:
+                            e.start(prompts, args.output_len, 1 + r)
+                        for e in pair:
+                            runs[e.key].append(e.result())
+                        continue
                     for e in pair if r % 2 == 0 else pair[::-1]:
                         time.sleep(SETTLE_S)
                         quiet.append(host_probe_seconds())
@@ -375,7 +427,12 @@ def sweep_pair(
                         runs[e.key].append(e.run(prompts, args.output_len, 1 + r))
                 time.sleep(SETTLE_S)
                 quiet.append(host_probe_seconds())
-                probes = {e.key: [p for k, p in zip(order, run_probes(quiet)) if k == e.key] for e in pair}
+                if concurrent:
+                    probes = {e.key: run_probes(quiet) for e in pair}
+                else:
+                    probes = {
+                        e.key: [p for k, p in zip(order, run_probes(quiet)) if k == e.key] for e in pair
+                    }
                 rows = {
                     e.key: {
                         **infos[e.key],
@@ -385,6 +442,7 @@ def sweep_pair(
                         "probe_ms": 1000 * float(np.median(probes[e.key])),
                         "probe_ms_all": [round(1000 * p, 3) for p in probes[e.key]],
                         "paired_with": other_key if e.key == base_key else base_key,
+                        "paired_mode": "concurrent" if concurrent else "alternating",
                     }
                     for e in pair
                 }
@@ -395,7 +453,13 @@ def sweep_pair(
                     round(float(np.log(o / x)), 5) for x, o in zip(probes[base_key], probes[other_key])
                 ]
                 rows[other_key].update(
-                    paired_cost=cost, paired_costs_all=per_pair, paired_probe_log_ratios=probe_logs
+                    paired_cost=cost,
+                    paired_costs_all=per_pair,
+                    paired_probe_log_ratios=probe_logs,
+                    # 1 where the pair's runs went at once, 0 in turn: what the mode claims, measured
+                    paired_overlap_all=[
+                        round(overlap_fraction(x, o), 3) for x, o in zip(runs[base_key], runs[other_key])
+                    ],
                 )
                 log(
                     f"    batch {b:4d}: {base_key} {rows[base_key]['tokens_per_s']:9.1f} tok/s, {other_key} "

@@ -83,7 +83,13 @@ def _adjusted_figure(ys: list[np.ndarray], xs: list[np.ndarray] | None) -> tuple
 
 
 def pooled_cost(
-    rows: list[dict], base_key: str, other_key: str, batch: int, draws: int = 4000, adjust: bool = False
+    rows: list[dict],
+    base_key: str,
+    other_key: str,
+    batch: int,
+    draws: int = 4000,
+    adjust: bool = False,
+    mode: str = "alternating",
 ) -> dict | None:
     """`other_key`'s cost relative to `base_key` at one batch size from every pair of the two in `rows`,
     whichever of them was the base of its call: 1 - tok/s(other) / tok/s(base), with a 95 % interval.
@@ -100,12 +106,18 @@ def pooled_cost(
 
     `adjust`: the same after removing from each pair the part of its log ratio that its host-probe ratio
     predicts (module docstring; the slope refitted in every resample, and returned as `host_slope`); None
-    when a call in `rows` has no probes (calls made before the probe)."""
+    when a call in `rows` has no probes (calls made before the probe).
+
+    `mode`: the calls pooled, "alternating" (one GPU, the engines' runs in turn; rows from before the mode
+    was recorded are these) or "concurrent" (`--pair-concurrent`, one GPU each, both runs at once: there
+    "started first" is the engine on the first GPU, and "ran first" splits the pairs into two halves)."""
     # (other started first, other ran first) -> its pairs' (log ratio, probe log ratio or None)
     groups: dict[tuple[bool, bool], list[tuple[float, float | None]]] = {}
     calls = pairs_other_started_first = 0
     for r in rows:
         if r.get("batch") != batch or not r.get("paired_costs_all"):
+            continue
+        if r.get("paired_mode", "alternating") != mode:
             continue
         pair = (r.get("paired_with"), r.get("config"))
         if pair not in ((base_key, other_key), (other_key, base_key)):

@@ -87,6 +87,12 @@ def parse_args(argv=None):
         "a paired R3 cost",
     )
     p.add_argument(
+        "--pair-concurrent",
+        action="store_true",
+        help="with --rollout-pair: run the two engines at the same time, each on its own GPU (the first two "
+        "visible; the two-GPU machine), instead of in alternation on one",
+    )
+    p.add_argument(
         "--rollout-profile",
         action="store_true",
         help="with --rollout-pair: then one batch of the largest size per engine under vLLM's profiler "
@@ -129,6 +135,8 @@ def parse_args(argv=None):
     args.rollout_pair = [e for e in args.rollout_pair.split(",") if e]
     if args.rollout_pair and (len(args.rollout_pair) != 2 or set(args.rollout_pair) - set(engines.CONFIGS)):
         p.error(f"--rollout-pair: expected two of {', '.join(engines.CONFIGS)} as BASE,OTHER")
+    if args.pair_concurrent and not args.rollout_pair:
+        p.error("--pair-concurrent runs the engines of --rollout-pair at the same time: give both")
     if args.rollout_profile and not args.rollout_pair:
         p.error("--rollout-profile profiles the engines of --rollout-pair: give both")
     args.sync_cases = [(int(r), t) for r, t in (c.split(":") for c in args.sync_cases.split(","))]
@@ -325,7 +333,10 @@ class ModelRun:
                     f"budget: {self.budget.left():.0f}s left", model=self.name, config=key
                 )
             return
-        log(f"model {self.name}: rollout of {base} and {other} in alternation")
+        how = "in alternation"
+        if self.args.pair_concurrent:
+            how = "at the same time" + ("" if self.args.tiny else ", one GPU each")
+        log(f"model {self.name}: rollout of {base} and {other} {how}")
         need_adapter = any(engines.CONFIGS[k].lora for k in (base, other))
         try:
             adapter = self.adapter if need_adapter else None

@@ -171,17 +171,24 @@ def ratios(rows: list[dict], model: str) -> dict[str, dict]:
 
 
 def r3_pooled(rows: list[dict], model: str) -> dict[int, dict]:
-    """{batch: bench.pairstats.pooled_cost of R3 against NVFP4+LoRA} over every call that paired the two:
-    adjusted by the host probe where every such call has one (the verdict's figure, decided before the
-    probe's first GPU call), the raw figure beside it as `raw`; the raw figure alone before the probe."""
+    """{batch: bench.pairstats.pooled_cost of R3 against NVFP4+LoRA} over every call that paired the two.
+    Calls that ran the engines at the same time on two GPUs (`--pair-concurrent`) are pooled apart from
+    those in alternation and, where there are any, give the verdict's figure (decided before their first
+    GPU call: the drift that left the alternating pairs' interval wide is shared within a concurrent pair),
+    the alternating pool beside it as `alternating`. Alternating alone: adjusted by the host probe where
+    every such call has one, the raw figure beside it as `raw`; the raw figure alone before the probe."""
     mine = [r for r in ok(rows) if r["model"] == model]
     batches = sorted({r["batch"] for r in mine if r.get("paired_costs_all")})
     pooled = {}
     for b in batches:
         raw = pooled_cost(mine, "nvfp4_lora", "nvfp4_lora_r3", b)
         adjusted = pooled_cost(mine, "nvfp4_lora", "nvfp4_lora_r3", b, adjust=True)
-        if raw is not None:
-            pooled[b] = {**adjusted, "raw": raw} if adjusted is not None else raw
+        alternating = {**adjusted, "raw": raw} if adjusted is not None and raw is not None else raw
+        concurrent = pooled_cost(mine, "nvfp4_lora", "nvfp4_lora_r3", b, mode="concurrent")
+        if concurrent is not None:
+            pooled[b] = {**concurrent, "mode": "concurrent", "alternating": alternating}
+        elif alternating is not None:
+            pooled[b] = alternating
     return pooled
 
 
@@ -196,10 +203,13 @@ def pooled_text(p: dict) -> str:
     def interval(q: dict) -> str:
         return f"95 % interval {q['lo']:.1%} to {q['hi']:.1%}; " if q["lo"] is not None else ""
 
-    text = (
-        f"{interval(p)}{p['pairs']} pairs in {p['calls']} calls, R3 started first in "
-        f"{p['pairs_other_started_first']}"
-    )
+    first = "on the first GPU" if p.get("mode") == "concurrent" else "started first"
+    text = f"{interval(p)}{p['pairs']} pairs in {p['calls']} calls, R3 {first} in {p['pairs_other_started_first']}"
+    if p.get("mode") == "concurrent":
+        text = "both engines at once, one GPU each: " + text
+        if p.get("alternating"):
+            alt = p["alternating"]
+            text += f"; in alternation on one GPU {alt['cost']:.1%}, " + interval(alt).removesuffix("; ")
     if "raw" in p:
         raw = p["raw"]
         text += (
@@ -510,7 +520,7 @@ def profile_table(rows: list[dict]) -> list[str]:
 
 
 def paired_table(rows: list[dict], model: str) -> list[str]:
-    """Every pair of engines run in alternation (bench/paired.py), whatever the configurations."""
+    """Every pair of engines run in pairs (bench/paired.py), whatever the configurations."""
     paired = [r for r in ok(rows) if r["model"] == model and "paired_cost" in r and "paired_with" in r]
     if not paired:
         return []
@@ -536,6 +546,9 @@ def paired_table(rows: list[dict], model: str) -> list[str]:
                 _cpu_pair(b, r, "steal_s", ".2f"),
                 _cpu_pair(b, r, "probe_ms", ".2f"),
                 r.get("cpus", "—") + (" (pinned)" if r.get("pinned") else ""),
+                (f"at once, GPUs {b.get('gpu')} / {r.get('gpu')}" if r.get("gpu") else "at once")
+                if r.get("paired_mode") == "concurrent"
+                else "in turn",
             ]
         )
     head = [
@@ -551,9 +564,11 @@ def paired_table(rows: list[dict], model: str) -> list[str]:
         "stolen s",
         "probe ms",
         "cores",
+        "runs",
     ]
     return [
-        "Run in alternation (same prompts and seeds, order alternating; cost from the per-pair ratios; CPU s:",
+        "Run in pairs (same prompts and seeds; runs: in turn on one GPU, order alternating, or at once on two",
+        "GPUs, base's / other's; cost from the per-pair ratios; CPU s:",
         "the engine process tree's median CPU seconds a run, base / other; CPU/wall: per wall second;",
         "stolen s: the machine's CPU seconds taken by the hypervisor during a run, median; probe ms: the host",
         "probe around each run, bench/pairstats.py, median):",

@@ -293,7 +293,7 @@ def test_tree_cpu_seconds_counts_a_child_process():
 
 
 def test_cpu_figures_are_medians_per_run_and_per_wall_second():
-    runs = [(2.0, 100, 3.0, 0.0), (1.0, 100, 1.0, 0.25), (4.0, 100, 4.0, 0.0)]
+    runs = [(2.0, 100, 3.0, 0.0, 0.0), (1.0, 100, 1.0, 0.25, 5.0), (4.0, 100, 4.0, 0.0, 9.0)]
     fig = cpu_figures(runs)
     assert fig["cpu_s"] == 3.0
     assert fig["cpu_s_all"] == [3.0, 1.0, 4.0]
@@ -586,7 +586,13 @@ def test_every_bench_call_in_gpu_calls_sh_parses():
 
     script = (Path(__file__).resolve().parents[2] / "bench" / "gpu_calls.sh").read_text()
     joined = script.replace("\\\n", " ")
-    values = {'"$pairs"': "24", '"$len"': "128", '"$budget"': "480", "$pair": "nvfp4_lora,nvfp4_lora_r3"}
+    values = {
+        '"$pairs"': "24",
+        '"$len"': "128",
+        '"$budget"': "480",
+        "$pair": "nvfp4_lora,nvfp4_lora_r3",
+        '"$model"': "qwen3_moe",
+    }
     calls = []
     for line in joined.splitlines():
         m = re.match(r"\s*(?:BENCH_PIN_CPUS=\S+ )?bench (\S+) (.*)$", line)
@@ -598,6 +604,85 @@ def test_every_bench_call_in_gpu_calls_sh_parses():
         assert "$" not in args, f"unknown shell variable in: {line.strip()}"
         calls.append((m.group(1), parse_args(shlex.split(args))))
     names = {n for n, _ in calls}
-    assert {"qwen3_moe_r3pair", "qwen3_moe_sync", "qwen3_moe_trainer32", '"${name}_${first}first"'} <= names
+    assert {
+        "qwen3_moe_r3pair",
+        "qwen3_moe_kl",
+        "qwen3_moe_sync",
+        "qwen3_moe_trainer32",
+        '"${name}_${first}first"',
+    } <= names
+    # r3_pair_call's model argument (its sixth) names a model run_all knows
+    for model in re.findall(r"^\s*r3_pair_call(?: \S+){5} (\S+)", joined, re.M):
+        assert parse_args(["--models", model]).models == [model]
     qwen = dict(calls)["qwen3_moe_r3pair"]
     assert qwen.models == ["qwen3_moe"] and qwen.rollout_pair == ["nvfp4_lora", "nvfp4_lora_r3"]
+
+
+def test_overlap_fraction_tells_runs_at_once_from_runs_in_turn():
+    from bench.paired import overlap_fraction
+
+    a = (2.0, 100, 1.0, 0.0, 100.0)  # 100 to 102
+    assert overlap_fraction(a, (2.0, 100, 1.0, 0.0, 100.01)) == pytest.approx(0.995)
+    assert overlap_fraction(a, (1.0, 100, 1.0, 0.0, 100.5)) == pytest.approx(0.5)  # inside: half the longer
+    assert overlap_fraction(a, (2.0, 100, 1.0, 0.0, 102.5)) == 0.0  # after it
+
+
+def test_visible_gpu_maps_into_the_parents_own_device_list(monkeypatch):
+    from bench.paired import visible_gpu
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [visible_gpu(i) for i in range(2)] == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert [visible_gpu(i) for i in range(2)] == ["3", "5"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(RuntimeError, match="needs GPU 1, but CUDA_VISIBLE_DEVICES lists 1"):
+        visible_gpu(1)
+
+
+def test_pair_concurrent_option_needs_the_pair():
+    a = parse_args(["--tiny", "--rollout-pair", "nvfp4_lora,nvfp4_lora_r3", "--pair-concurrent"])
+    assert (
+        a.pair_concurrent and not parse_args(["--tiny", "--rollout-pair", "bf16,nvfp4_lora"]).pair_concurrent
+    )
+    with pytest.raises(SystemExit):
+        parse_args(["--tiny", "--pair-concurrent"])
+
+
+def _pair_rows(mode: str, costs_by_call: list[tuple[bool, list[float]]]) -> list[dict]:
+    """Rows of R3 pair calls at batch 256: (R3 listed first, per-pair costs in that call's orientation)."""
+    rows = []
+    for i, (r3_first, costs) in enumerate(costs_by_call):
+        base, other = ("nvfp4_lora_r3", "nvfp4_lora") if r3_first else ("nvfp4_lora", "nvfp4_lora_r3")
+        common = dict(model="muse", status="ok", batch=256, graphs="g", source=f"{mode}{i}", paired_mode=mode)
+        rows.append(dict(common, config=base, paired_with=other, tokens_per_s=100.0, gpu="0"))
+        rows.append(
+            dict(
+                common,
+                config=other,
+                paired_with=base,
+                tokens_per_s=100.0,
+                gpu="1",
+                paired_cost=float(np.mean(costs)),
+                paired_costs_all=costs,
+                paired_probe_log_ratios=[0.0] * len(costs),
+            )
+        )
+    return rows
+
+
+def test_concurrent_pairs_pool_apart_and_give_the_verdict():
+    rng = np.random.default_rng(2)
+    wide = [(False, list(rng.normal(0.02, 0.12, 24))), (True, list(rng.normal(-0.02, 0.12, 24)))]
+    tight = [(False, list(rng.normal(0.01, 0.01, 16))), (True, list(rng.normal(-0.01, 0.01, 16)))]
+    rows = _pair_rows("alternating", wide) + _pair_rows("concurrent", tight)
+    alone = summarize.pooled_cost(rows, "nvfp4_lora", "nvfp4_lora_r3", 256, mode="concurrent")
+    assert alone["pairs"] == 32 and alone["calls"] == 2 and alone["hi"] - alone["lo"] < 0.03
+    p = summarize.r3_pooled(rows, "muse")[256]
+    assert p["mode"] == "concurrent" and p["pairs"] == 32
+    assert p["alternating"]["pairs"] == 48 and p["alternating"]["hi"] - p["alternating"]["lo"] > 0.05
+    text = summarize.pooled_text(p)
+    assert text.startswith("both engines at once, one GPU each: 95 % interval")
+    assert "R3 on the first GPU in 16; in alternation on one GPU" in text
+    assert summarize.interval_verdict(p, 0.03) == "PASS"
+    table = "\n".join(summarize.paired_table(rows, "muse"))
+    assert "at once, GPUs 0 / 1" in table and "in turn" in table
