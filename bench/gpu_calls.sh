@@ -32,12 +32,12 @@
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
 #   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows (both layouts); the 20-step GRPO run
 #
-# Tenth session's plan (30 min): the kit, then alone each, wrapped in `timeout -s ABRT 570`: `install
-# r3short_plain`, `r3short_r3` (48 pairs with the host probe: does the probe track the host's drift? The
-# verdict is the probe-adjusted pooled figure of calls that all carry it, decided before they ran:
-# bench/pairstats.py), `qwen_r3` (Qwen3-MoE's first rollout and KL rows on the GPU), `trainer_qwen32`.
-# Eleventh: `qwen_bf16`, `qwen_sync`, and `r3short_plain` + `r3short_r3` again if the R3 interval still holds
-# 3 %. The ninth session's 88 pairs (no probe) read 1.5 %, interval -1.2 to 5.3 %.
+# Eleventh session's plan (30 min, the two-GPU machine: `run` with kind nvidia-h200-x2): the kit, then alone
+# each, wrapped in `timeout -s ABRT 570`: `install r3conc_plain`, `r3conc_r3` (Muse's R3 pair at once, one GPU
+# each: the concurrent pool gives the verdict, decided before they ran: docs/benchmarks.md, tenth session),
+# `qwen_kl` (the paired KL interval; where the NVFP4 engine's prefill log-probs go NaN), `qwen_r3conc_plain`,
+# `qwen_r3conc_r3`. The tenth session ran the Qwen3-MoE calls on one GPU: qwen_r3, trainer_qwen32, qwen_sync,
+# qwen_kl, qwen_bf16, qwen_r3short_r3, qwen_r3short_plain.
 #
 # One engine per process (a second vLLM engine started in the same process after the first shut down
 # hung at start on vLLM 0.26); each process writes its own folder under $OUT, and
