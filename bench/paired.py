@@ -277,6 +277,21 @@ def visible_gpu(i: int) -> str:
     return seen[i] if seen else str(i)
 
 
+def pair_gpus(concurrent: bool, tiny: bool) -> list[str | None]:
+    """Each engine's GPU: its own when they run at the same time on the GPU machine; None (the process's
+    own devices) in alternation, or on the CPU machine."""
+    if not concurrent or tiny:
+        return [None, None]
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        raise RuntimeError(
+            f"--pair-concurrent runs each engine on its own GPU: this machine shows {torch.cuda.device_count()}"
+            " (use the two-GPU machine, or drop the option to run them in alternation)"
+        )
+    return [visible_gpu(0), visible_gpu(1)]
+
+
 class _Engine:
     def __init__(self, key: str, model: dict, args, adapter_dir: str | None, gpu: str | None = None):
         self.key = key
@@ -390,8 +405,7 @@ def sweep_pair(
 
     vocab = model["config"]["vocab_size"]
     concurrent = bool(getattr(args, "pair_concurrent", False))
-    # each engine on its own GPU when they run at the same time (on the CPU machine: both on the CPU)
-    gpus = [visible_gpu(i) for i in range(2)] if concurrent and not args.tiny else [None, None]
+    gpus = pair_gpus(concurrent, args.tiny)
     with tempfile.TemporaryDirectory(prefix="sparkrl_pair_") as tmp:
         adapter_dir = str(write_adapter(Path(tmp) / "adapter", *adapter)) if adapter else None
         pair: list[_Engine] = []

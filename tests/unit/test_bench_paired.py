@@ -686,3 +686,17 @@ def test_concurrent_pairs_pool_apart_and_give_the_verdict():
     assert summarize.interval_verdict(p, 0.03) == "PASS"
     table = "\n".join(summarize.paired_table(rows, "muse"))
     assert "at once, GPUs 0 / 1" in table and "in turn" in table
+
+
+def test_pair_gpus_one_each_only_at_once_and_only_with_two(monkeypatch):
+    import torch
+
+    from bench.paired import pair_gpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert pair_gpus(False, False) == [None, None] and pair_gpus(True, True) == [None, None]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pair_gpus(True, False) == ["0", "1"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match="its own GPU: this machine shows 1"):
+        pair_gpus(True, False)
