@@ -349,10 +349,10 @@ class _Engine:
 
 
 def cpu_figures(runs: list[Run]) -> dict:
-    """An engine's CPU figures from its timed runs (`Run`): the median CPU
-    seconds a run, the median CPU seconds per wall second (cores kept busy; above 1, threads in parallel), and
-    the machine's stolen CPU seconds in each run (a virtual machine's cores given to other guests: where the
-    slow runs have them, the drift is the host's neighbours)."""
+    """An engine's CPU figures from its timed runs (`Run`): the median CPU seconds a run, the median CPU
+    seconds per wall second (cores kept busy; above 1, threads in parallel), and the machine's stolen CPU
+    seconds in each run (a virtual machine's cores given to other guests: where the slow runs have them, the
+    drift is the host's neighbours)."""
     return {
         "cpu_s": float(np.median([r[2] for r in runs])),
         "cpu_s_all": [round(r[2], 3) for r in runs],
