@@ -49,7 +49,7 @@ def collect(worker, requests: list, n: int, max_tokens: int, seed: int = 1) -> l
 
 def _summary(trainer_logp: list, samples: list) -> dict:
     """A KL row: the driver's `rollout_corr/*` figures, and each sample's k3 sum and token count, so that two
-    rows that scored the same samples (R3 on and off) compare pairwise (bench.summarize.kl_paired)."""
+    rows that scored the same samples (R3 on and off) compare pairwise (bench.goals.kl_goal)."""
     from rl import algo
     from rl.driver import mismatch_metrics, mismatch_tensors
 

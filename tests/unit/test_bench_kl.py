@@ -1,4 +1,4 @@
-"""The KL benchmark's bookkeeping (bench/kl.py, bench/pairstats.paired_mean_difference, bench/summarize.kl_goal):
+"""The KL benchmark's bookkeeping (bench/kl.py, bench/pairstats.paired_mean_difference, bench/goals.kl_goal):
 per-sample k3 sums that reproduce the row's k3, the account of non-finite prefill log-probs, and the paired
 verdict of R3 on against R3 off. The GPU rows themselves come from bench/run_all.py on the device."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from pytest import approx
 
-from bench import kl, summarize
+from bench import goals, kl
 from bench.pairstats import paired_mean_difference
 from rl import algo
 from rl.batch import Sample
@@ -120,17 +120,17 @@ def test_kl_goal_verdict_from_the_paired_interval():
     rng = np.random.default_rng(5)
     tokens = [50] * 200
     off = list(rng.gamma(1.0, 5e-4, size=200))
-    measured, v = summarize.kl_goal(_kl_rows([x * 0.9 for x in off], off, tokens), "m")
+    measured, v = goals.kl_goal(_kl_rows([x * 0.9 for x in off], off, tokens), "m")
     assert v == "PASS" and "paired over 200 samples" in measured
-    assert summarize.kl_goal(_kl_rows([x * 1.1 for x in off], off, tokens), "m")[1] == "FAIL"
+    assert goals.kl_goal(_kl_rows([x * 1.1 for x in off], off, tokens), "m")[1] == "FAIL"
     noisy = [x * f for x, f in zip(off, rng.normal(1.0, 0.5, size=200))]  # on - off noise, no shift
-    assert summarize.kl_goal(_kl_rows(noisy, off, tokens), "m")[1] == "UNRESOLVED"
+    assert goals.kl_goal(_kl_rows(noisy, off, tokens), "m")[1] == "UNRESOLVED"
     # above 1e-4 fails whatever the pairing says; rows without sums compare the figures alone
-    assert summarize.kl_goal(_kl_rows([x * 0.9 for x in off], off, tokens, on_k3=2e-4), "m")[1] == "FAIL"
+    assert goals.kl_goal(_kl_rows([x * 0.9 for x in off], off, tokens, on_k3=2e-4), "m")[1] == "FAIL"
     old = [
         {k: v for k, v in r.items() if k not in ("k3_seq_sums", "seq_tokens")}
         for r in _kl_rows(off, off, tokens)
     ]
     old[0]["k3_kl"] *= 0.99
-    measured, v = summarize.kl_goal(old, "m")
+    measured, v = goals.kl_goal(old, "m")
     assert v == "PASS" and "paired" not in measured

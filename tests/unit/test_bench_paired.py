@@ -12,7 +12,7 @@ from argparse import Namespace
 import numpy as np
 import pytest
 
-from bench import summarize
+from bench import goals, report, summarize
 from bench.common import Results
 from bench.paired import (
     cpu_figures,
@@ -84,8 +84,8 @@ def test_summary_judges_the_paired_cost(tmp_path):
     _write_pair(tmp_path, ((1, 180.0, 178.0, 0.012), (256, 1800.0, 1332.0, 0.01)))
     path = tmp_path / "rollout.json"
     md = summarize.render([tmp_path], REF)
-    goals = md.split("### Goals")[1].split("###")[0]
-    line = next(x for x in goals.splitlines() if "R3 cost of rollout" in x)
+    goal_lines = md.split("### Goals")[1].split("###")[0]
+    line = next(x for x in goal_lines.splitlines() if "R3 cost of rollout" in x)
     assert "worst 1.2% (batch 1)" in line and "1.0% at batch 256" in line and "PASS" in line
     # unpaired rows of the same figures would fail
     rows = json.loads(path.read_text())
@@ -398,10 +398,10 @@ def test_interval_verdict_is_unresolved_when_the_interval_holds_the_goal():
     def p(cost, lo, hi):
         return {"cost": cost, "lo": lo, "hi": hi}
 
-    assert summarize.interval_verdict(p(0.01, 0.0, 0.025), 0.03) == "PASS"
-    assert summarize.interval_verdict(p(0.05, 0.035, 0.07), 0.03) == "FAIL"
-    assert summarize.interval_verdict(p(0.02, -0.01, 0.05), 0.03) == "UNRESOLVED"
-    assert summarize.interval_verdict(p(0.05, None, None), 0.03) == "FAIL"  # too few pairs: the figure
+    assert goals.interval_verdict(p(0.01, 0.0, 0.025), 0.03) == "PASS"
+    assert goals.interval_verdict(p(0.05, 0.035, 0.07), 0.03) == "FAIL"
+    assert goals.interval_verdict(p(0.02, -0.01, 0.05), 0.03) == "UNRESOLVED"
+    assert goals.interval_verdict(p(0.05, None, None), 0.03) == "FAIL"  # too few pairs: the figure
 
 
 def test_summary_pools_the_r3_pairs_of_every_call(tmp_path):
@@ -441,7 +441,7 @@ def test_throughput_of_several_calls_is_their_median():
         dict(model="muse", status="ok", config="nvfp4_lora", batch=256, tokens_per_s=tps)
         for tps in (19000.0, 11000.0, 14000.0)
     ]
-    assert summarize.tps(rows, "muse", "nvfp4_lora") == {256: 14000.0}
+    assert report.tps(rows, "muse", "nvfp4_lora") == {256: 14000.0}
 
 
 def test_gpu_local_cpus_reads_sysfs_at_the_bus_nvidia_smi_names(tmp_path, monkeypatch):
@@ -572,7 +572,7 @@ def test_rollout_header_names_every_request_shape_pooled():
         )
         for n in (256, 128)
     ]
-    text = "\n".join(summarize.rollout_section(rows, {"muse": summarize.ratios(rows, "muse")}))
+    text = "\n".join(summarize.rollout_section(rows, {"muse": goals.ratios(rows, "muse")}))
     assert "prompt + generated tokens a request 64 + 128 or 64 + 256;" in text
 
 
@@ -675,15 +675,15 @@ def test_concurrent_pairs_pool_apart_and_give_the_verdict():
     wide = [(False, list(rng.normal(0.02, 0.12, 24))), (True, list(rng.normal(-0.02, 0.12, 24)))]
     tight = [(False, list(rng.normal(0.01, 0.01, 16))), (True, list(rng.normal(-0.01, 0.01, 16)))]
     rows = _pair_rows("alternating", wide) + _pair_rows("concurrent", tight)
-    alone = summarize.pooled_cost(rows, "nvfp4_lora", "nvfp4_lora_r3", 256, mode="concurrent")
+    alone = pooled_cost(rows, "nvfp4_lora", "nvfp4_lora_r3", 256, mode="concurrent")
     assert alone["pairs"] == 32 and alone["calls"] == 2 and alone["hi"] - alone["lo"] < 0.03
-    p = summarize.r3_pooled(rows, "muse")[256]
+    p = goals.r3_pooled(rows, "muse")[256]
     assert p["mode"] == "concurrent" and p["pairs"] == 32
     assert p["alternating"]["pairs"] == 48 and p["alternating"]["hi"] - p["alternating"]["lo"] > 0.05
-    text = summarize.pooled_text(p)
+    text = goals.pooled_text(p)
     assert text.startswith("both engines at once, one GPU each: 95 % interval")
     assert "R3 on the first GPU in 16; in alternation on one GPU" in text
-    assert summarize.interval_verdict(p, 0.03) == "PASS"
+    assert goals.interval_verdict(p, 0.03) == "PASS"
     table = "\n".join(summarize.paired_table(rows, "muse"))
     assert "at once, GPUs 0 / 1" in table and "in turn" in table
 
