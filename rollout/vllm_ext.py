@@ -9,7 +9,8 @@ vLLM internals.
    here: on a weight update `UnquantizedFusedMoEMethod._setup_kernel` skips the CPU experts' prepacking
    (`CPUUnquantizedExperts.process_weights_after_loading`, which it runs only on the first load), so
    reloaded expert weights land unpacked in storage the CPU kernel reads as packed. `_repack_cpu_experts`
-   runs that prepacking again for the layers the reload changed. tests/unit/test_rollout_vllm_ext.py pins
+   runs that prepacking again for the layers the reload changed, for `CPUUnquantizedExperts` and its
+   per-ISA subclasses (bfloat16 on a CPU with AMX tiles runs `X86CPUUnquantizedExperts`). tests/unit/test_rollout_worker.py pins
    the source of both vLLM functions: when vLLM changes them, re-check whether this is still needed.
 
 2. `routing_at_finish_scheduler` (`scheduler_cls`, with R3 on): vLLM's scheduler (0.26 to 0.30) sends the
@@ -72,7 +73,9 @@ def _cpu_expert_layers(model) -> dict:
         method = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
-        if experts is None or type(experts).__name__ != "CPUUnquantizedExperts":
+        # CPUUnquantizedExperts or its per-ISA subclasses (X86CPUUnquantizedExperts: AMX, bfloat16 on CPUs
+        # that have AMX tiles), which share its prepacking with their own `isa`
+        if experts is None or "CPUUnquantizedExperts" not in {c.__name__ for c in type(experts).__mro__}:
             continue
         if getattr(experts, "_use_zentorch", False):
             continue  # zentorch reads the weights unpacked

