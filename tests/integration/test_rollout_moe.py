@@ -23,13 +23,10 @@ def moe_path():
     return make_tiny("qwen3_moe")
 
 
-@pytest.fixture(scope="module")
-def worker(moe_path, tmp_path_factory):
-    from rollout.worker import RolloutWorker
-
-    spec = EngineSpec(
+def _spec(moe_path, dtype: str = "float32") -> EngineSpec:
+    return EngineSpec(
         model_path=str(moe_path),
-        dtype="float32",
+        dtype=dtype,
         max_model_len=256,
         enforce_eager=True,
         cpu_kvcache_gb=1,
@@ -37,7 +34,13 @@ def worker(moe_path, tmp_path_factory):
         return_routed_experts=True,
         seed=0,
     )
-    w = RolloutWorker(spec, tmp_path_factory.mktemp("stage"))
+
+
+@pytest.fixture(scope="module")
+def worker(moe_path, tmp_path_factory):
+    from rollout.worker import RolloutWorker
+
+    w = RolloutWorker(_spec(moe_path), tmp_path_factory.mktemp("stage"))
     yield w
     w.shutdown()
 
@@ -159,17 +162,8 @@ def test_merged_weights_in_bfloat16_reach_the_cpu_expert_kernel(moe_path, merged
     from rollout.worker import RolloutWorker
 
     merged_model, state = merged
-    spec = EngineSpec(
-        model_path=str(moe_path),
-        dtype="bfloat16",
-        max_model_len=256,
-        enforce_eager=True,
-        cpu_kvcache_gb=1,
-        max_num_seqs=16,
-        seed=0,
-    )
     ids = prompts[1] + prompts[2][3:]
-    w = RolloutWorker(spec, tmp_path / "stage")
+    w = RolloutWorker(_spec(moe_path, "bfloat16"), tmp_path / "stage")
     try:
         touched = {k: v for k, v in state.items() if "experts" in k or "q_proj" in k or "v_proj" in k}
         w.load_merged_weights(touched, version=1)
