@@ -51,10 +51,11 @@ def _summary(trainer_logp: list, samples: list) -> dict:
     """A KL row: the driver's `rollout_corr/*` figures, and each sample's k3 sum and token count, so that two
     rows that scored the same samples (R3 on and off) compare pairwise (bench.goals.kl_goal)."""
     from rl import algo
-    from rl.driver import mismatch_metrics, mismatch_tensors
+    from rl.driver import mismatch_tensors
 
-    metrics = mismatch_metrics(trainer_logp, samples)
-    sums, counts = algo.k3_sequence_sums(*mismatch_tensors(trainer_logp, samples))
+    padded = mismatch_tensors(trainer_logp, samples)  # once, for both figures (the driver's own padding)
+    metrics = algo.rollout_mismatch_metrics(*padded)
+    sums, counts = algo.k3_sequence_sums(*padded)
     return {
         "k3_kl": metrics["rollout_corr/k3_kl"],
         "k3_kl_max_token": metrics["rollout_corr/k3_kl_max"],

@@ -10,8 +10,9 @@ vLLM internals.
    (`CPUUnquantizedExperts.process_weights_after_loading`, which it runs only on the first load), so
    reloaded expert weights land unpacked in storage the CPU kernel reads as packed. `_repack_cpu_experts`
    runs that prepacking again for the layers the reload changed, for `CPUUnquantizedExperts` and its
-   per-ISA subclasses (bfloat16 on a CPU with AMX tiles runs `X86CPUUnquantizedExperts`). tests/unit/test_rollout_worker.py pins
-   the source of both vLLM functions: when vLLM changes them, re-check whether this is still needed.
+   per-ISA subclasses (bfloat16 on a CPU with AMX tiles runs `X86CPUUnquantizedExperts`).
+   tests/unit/test_rollout_worker.py pins the source of both vLLM functions: when vLLM changes them,
+   re-check whether this is still needed.
 
 2. `routing_at_finish_scheduler` (`scheduler_cls`, with R3 on): vLLM's scheduler (0.26 to 0.30) sends the
    routed experts of every request with every decode step: it snapshots each running request's KV block
