@@ -27,7 +27,8 @@ demo: setup
 	$(BIN)/sparkrl train recipes/demo_cpu.yaml run.name=demo-$$(date +%Y%m%d-%H%M%S)
 
 test: setup
-	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+	@# --durations: the slowest tests in every log, to keep CI (45 minutes at most) in view.
+	$(BIN)/python -m pytest -m "not gpu" --durations=20 $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

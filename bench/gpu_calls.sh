@@ -32,7 +32,8 @@
 #   bash bench/gpu_calls.sh bf16               # Muse: BF16 and BF16+LoRA engines: rollout, KL floors
 #   bash bench/gpu_calls.sh sync grpo          # Muse: adapter sync rows (both layouts); the 20-step GRPO run
 #
-# Eleventh session's plan (30 min, the two-GPU machine: `run` with kind nvidia-h200-x2): the kit, then alone
+# Plan for the next GPU time (not run in the eleventh session: 252 s of issue 11's device time were left and
+# the two-GPU machine was withheld). The two-GPU machine (`run` with kind nvidia-h200-x2): the kit, then alone
 # each, wrapped in `timeout -s ABRT 570`: `install r3conc_plain`, `r3conc_r3` (Muse's R3 pair at once, one GPU
 # each: the concurrent pool gives the verdict, decided before they ran: docs/benchmarks.md, tenth session),
 # `qwen_kl` (the paired KL interval; where the NVFP4 engine's prefill log-probs go NaN), `qwen_r3conc_plain`,

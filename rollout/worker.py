@@ -189,6 +189,27 @@ def sampled_logprobs(token_ids, logprobs, where: str) -> np.ndarray:
     return out
 
 
+class NonFiniteLogprobsError(RuntimeError):
+    """vLLM returned NaN or inf for a sampled token's log-prob."""
+
+
+def check_finite_logprobs(logprobs: np.ndarray, where: str) -> np.ndarray:
+    """A sampled token was drawn with probability > 0, so its log-prob is finite: NaN or inf means the engine's
+    logits were broken (a kernel fault), and every number from that forward is suspect. Stop the rollout
+    rather than hand the trainer ratios and a k3 KL of NaN, which only show up as skipped steps."""
+    bad = ~np.isfinite(logprobs)
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise NonFiniteLogprobsError(
+            f"{where}: vLLM returned non-finite sampled log-probs ({int(np.isnan(logprobs).sum())} NaN, "
+            f"{int(np.isinf(logprobs).sum())} inf of {len(logprobs)} response tokens; the first at response "
+            f"token {first}). The engine's logits were NaN/inf, so this batch cannot be trained on. One known "
+            "cause: vLLM issue 48590 (its Triton lora_expand kernel gives NaN on Hopper GPUs past ~128 prompt "
+            "tokens; fix proposed in vLLM PR 48638)."
+        )
+    return logprobs
+
+
 def _sync_metrics(path: Path, start: float, staged: float) -> dict:
     """A sync's metrics: the staged bytes, and its time split into ours (layout conversion + staged write,
     `start` to `staged`) and vLLM's (loading, old weights out, cache reset, `staged` to now)."""
@@ -273,7 +294,9 @@ class RolloutWorker:
                     Sample(
                         prompt_ids=list(req.prompt_ids),
                         response_ids=response,
-                        response_logprobs=sampled_logprobs(response, comp.logprobs, where),
+                        response_logprobs=check_finite_logprobs(
+                            sampled_logprobs(response, comp.logprobs, where), where
+                        ),
                         finish_reason=str(comp.finish_reason),
                         adapter_version=self.version,
                         group=req.group,

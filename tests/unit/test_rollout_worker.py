@@ -15,8 +15,10 @@ import torch
 from rollout.spec import EngineSpec, SamplingSpec
 from rollout.worker import (
     ModelInfo,
+    NonFiniteLogprobsError,
     RoutedExpertsError,
     _quantization_kind,
+    check_finite_logprobs,
     check_routed_experts,
     engine_kwargs,
     sampled_logprobs,
@@ -79,6 +81,14 @@ def test_sampled_logprobs_pick_the_sampled_token_not_the_top1():
     np.testing.assert_allclose(sampled_logprobs([5, 7], entries, "t"), [-0.1, -2.5])
     with pytest.raises(RuntimeError, match="no log-prob for token 8 at position 1"):
         sampled_logprobs([5, 8], entries, "t")
+
+
+def test_non_finite_sampled_logprobs_stop_the_rollout_and_say_where():
+    ok = np.array([-0.1, -2.5, -30.0], np.float32)
+    assert check_finite_logprobs(ok, "g") is ok
+    bad = np.array([-0.1, -2.5, np.nan, -np.inf, np.nan], np.float32)
+    with pytest.raises(NonFiniteLogprobsError, match=r"group 3 sample 1: .*2 NaN, 1 inf of 5 .* token 2\)"):
+        check_finite_logprobs(bad, "group 3 sample 1")
 
 
 def test_engine_settings_pass_through():
