@@ -37,6 +37,21 @@ CONSOLE_KEYS = (
 )
 
 
+def watched(metrics: dict[str, float]) -> dict[str, float]:
+    """The few figures the progress line shows: reward, held-out mean@k (on eval steps), k3 KL, step time."""
+    out = {}
+    if "reward/mean" in metrics:
+        out["reward"] = metrics["reward/mean"]
+    for k, v in metrics.items():
+        if k.startswith("val-core/") and "/acc/mean@" in k:
+            out[k.rsplit("/", 1)[-1]] = v  # mean@8
+    if "rollout_corr/k3_kl" in metrics:
+        out["k3"] = metrics["rollout_corr/k3_kl"]
+    if "perf/step_s" in metrics:
+        out["s/step"] = metrics["perf/step_s"]
+    return out
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """Every step record of a run, in order."""
     path = Path(run_dir) / "metrics.jsonl"
@@ -101,6 +116,7 @@ class MetricsLogger:
             console=self.console,
             transient=False,
         )
+        self._watched: dict[str, float] = {}  # the progress line's figures, the newest of each
         self._task = self._progress.add_task(
             run_name or "train", total=total_steps, completed=start_step, status=""
         )
@@ -125,11 +141,8 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
-        status = "  ".join(
-            f"{k.split('/')[-1] if k != 'rollout_corr/k3_kl' else 'k3'} {numeric[k]:.3g}"
-            for k in ("reward/mean", "rollout_corr/k3_kl")
-            if k in numeric
-        )
+        self._watched.update(watched(numeric))
+        status = "  ".join(f"{k} {v:.3g}" for k, v in self._watched.items())
         self._progress.update(self._task, completed=step, status=status)
         if step % self.console_every == 0:
             self.console.print(self.line(step, numeric), highlight=False, soft_wrap=True)

@@ -137,6 +137,8 @@ TIMEOUT_PRED = "[TIMEOUT]"
 def _worker_main(conn, backend: Backend) -> None:
     # The parent owns shutdown; a Ctrl-C in the driver would otherwise print a traceback per worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _backend_fn(backend)  # the grader's imports, before the first sample's clock starts
+    conn.send(READY)
     while True:
         try:
             task = conn.recv()
@@ -156,6 +158,13 @@ def _worker_main(conn, backend: Backend) -> None:
 class _Worker:
     process: mp.process.BaseProcess
     conn: mp.connection.Connection
+    ready: bool = False  # sent READY: started and imported its grader
+
+
+READY = ("ready", None)
+# A worker's start (process, imports) is not a sample's time: `timeout_s` counts from READY on. A worker
+# that has not started within this bound cannot run here at all.
+START_TIMEOUT_S = 300.0
 
 
 def _stop(workers: list[_Worker]) -> None:
@@ -215,6 +224,21 @@ class RewardPool:
         old.process.join()
         old.conn.close()
         self._workers[slot] = self._start()
+
+    def _await_ready(self, slot: int) -> None:
+        """Blocks until worker `slot` has started (READY); EOFError if it died first."""
+        worker = self._workers[slot]
+        if worker.ready:
+            return
+        if not worker.conn.poll(START_TIMEOUT_S):
+            raise RuntimeError(
+                f"RewardPool: a reward worker did not start within {START_TIMEOUT_S:.0f} s "
+                f"(backend {self.backend!r})"
+            )
+        message = worker.conn.recv()
+        if message != READY:
+            raise RuntimeError(f"RewardPool: a starting reward worker sent {message!r} instead of READY")
+        worker.ready = True
 
     def _check_deaths(self, deaths: int) -> None:
         if deaths > max(8, 2 * len(self._workers)):
@@ -276,8 +300,9 @@ class RewardPool:
                     continue
                 i = todo.popleft()
                 try:
+                    self._await_ready(slot)
                     self._workers[slot].conn.send((responses[i], ground_truths[i]))
-                except OSError:  # died while idle: not this sample's fault
+                except (OSError, EOFError):  # died while idle or starting: not this sample's fault
                     todo.appendleft(i)
                     self._replace(slot)
                     deaths += 1

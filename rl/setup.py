@@ -73,15 +73,23 @@ def load_prompts_for(cfg: SparkConfig, spec: str, tokenizer, split: str, rows: i
     return prompts
 
 
-def init_ray(cfg: SparkConfig) -> bool:
-    """Connect to (or start) Ray; True when this call started or joined it, so the run should shut it down."""
+def init_ray(cfg: SparkConfig, log_dir: Path | None = None) -> bool:
+    """Connect to (or start) Ray; True when this call started or joined it, so the run should shut it down.
+
+    log_dir: where the workers write their own output (rl/worker_logs.py); the terminal then shows only the
+    driver's progress. None keeps Ray's default of streaming every worker's lines to the driver."""
     import ray
+
+    from rl.worker_logs import LOG_DIR_ENV
 
     if ray.is_initialized():
         return False
+    logs = {}
+    if log_dir is not None:
+        logs = {"log_to_driver": False, "runtime_env": {"env_vars": {LOG_DIR_ENV: str(log_dir.resolve())}}}
     address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        ray.init(address=address)
+        ray.init(address=address, **logs)
         return True
     # A local cluster: enough CPU slots for every worker even on a 2-core machine (they mostly wait on
     # each other); the dashboard stays on loopback.
@@ -90,7 +98,7 @@ def init_ray(cfg: SparkConfig) -> bool:
         num_cpus=max(os.cpu_count() or 1, need),
         num_gpus=cfg.resources.num_gpus or None,
         include_dashboard=False,
-        log_to_driver=True,
+        **({"log_to_driver": True} | logs),
     )
     return True
 
@@ -190,7 +198,7 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
     from rollout.staging import default_stage_root
     from trainer.group import TrainerGroup
 
-    owns_ray = init_ray(cfg)
+    owns_ray = init_ray(cfg, run_dir / "logs")
     place = create_placement(cfg)  # a bad GPU layout fails here, before any data is read
     model_path, rollout_path = resolve_model_paths(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)

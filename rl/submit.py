@@ -67,6 +67,8 @@ EXCLUDES = [
     "*.gguf",
 ]
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+# How long a submission waits for a fresh cluster's job agent ("No available agent ... try again later").
+AGENT_WAIT_S = 120.0
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # Config keys that may name a local file or directory (data specs may carry a ?query).
 PATH_KEYS = ("model.path", "model.rollout_path", "data.train", "data.val", "eval.data")
@@ -249,13 +251,29 @@ def submit_entrypoint(
     job_id: str | None = None,
     metadata: dict[str, str] | None = None,
 ) -> str:
-    """Submit any shell command as a job; returns its submission id."""
-    return client.submit_job(
-        entrypoint=entrypoint,
-        runtime_env=renv if renv is not None else runtime_env(),
-        submission_id=job_id,
-        metadata=metadata,
-    )
+    """Submit any shell command as a job; returns its submission id.
+
+    A cluster that has just started answers "No available agent to submit job, please try again later"
+    until its head's job agent has registered: that answer is retried every 2 s for up to
+    `AGENT_WAIT_S`, then reported as an error that says so."""
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            return client.submit_job(
+                entrypoint=entrypoint,
+                runtime_env=renv if renv is not None else runtime_env(),
+                submission_id=job_id,
+                metadata=metadata,
+            )
+        except RuntimeError as e:
+            if "try again later" not in str(e):
+                raise
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the cluster's job agent did not come up within {AGENT_WAIT_S:.0f} s ({e}); check "
+                    "`ray status` and the head's dashboard_agent.log"
+                ) from e
+            time.sleep(2)
 
 
 def submit_run(

@@ -13,6 +13,13 @@ vLLM internals.
    per-ISA subclasses (bfloat16 on a CPU with AMX tiles runs `X86CPUUnquantizedExperts`).
    tests/unit/test_rollout_worker.py pins the source of both vLLM functions: when vLLM changes them,
    re-check whether this is still needed.
+   After a reload vLLM 0.30 warns "Following weights were not loaded from checkpoint: {...
+   mlp.experts.routed_experts.w13_weight, ...}" for every MoE layer: it compares `named_parameters()`
+   (where FusedMoE keeps its weights in a `routed_experts` child) with the names `load_weights` returns
+   (which omit that child), so every expert weight reads as missing although it was loaded.
+   `ExpertReloadWarningFilter` drops that message when it names only such expert weights, so a
+   warning about any other weight still shows; that the experts did arrive is checked here (the CPU
+   layers compared before and after) and by every merged-sync test's log-probs.
 
 2. `routing_at_finish_scheduler` (`scheduler_cls`, with R3 on): vLLM's scheduler (0.26 to 0.30) sends the
    routed experts of every request with every decode step: it snapshots each running request's KV block
@@ -33,6 +40,28 @@ vLLM internals.
 
 from __future__ import annotations
 
+import logging
+
+_EXPERT_CHILD = ".experts.routed_experts."
+
+
+class ExpertReloadWarningFilter(logging.Filter):
+    """Drops vLLM's "weights were not loaded" warning when every name it lists is a FusedMoE expert weight
+    (`...experts.routed_experts.w13_weight`): vLLM's bookkeeping, not a missing weight (see above)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Following weights were not loaded from checkpoint"):
+            return True
+        names = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        return not (names and all(_EXPERT_CHILD in str(n) for n in names))
+
+
+def _install_reload_warning_filter() -> None:
+    # vLLM's CPU model runner inherits reload_weights from the GPU one: the warning is that module's.
+    runner_log = logging.getLogger("vllm.v1.worker.gpu_model_runner")
+    if not any(isinstance(f, ExpertReloadWarningFilter) for f in runner_log.filters):
+        runner_log.addFilter(ExpertReloadWarningFilter())
+
 
 class SparkWorkerExtension:
     def sparkrl_reload_weights(self, files: list[str]) -> int:
@@ -49,6 +78,7 @@ class SparkWorkerExtension:
                         count += 1
                         yield name, f.get_tensor(name)
 
+        _install_reload_warning_filter()
         model = self.model_runner.get_model()
         cpu_experts = _cpu_expert_layers(model)
         before = {

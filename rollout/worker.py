@@ -19,6 +19,7 @@ import torch
 
 from rl.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft_dir
 from rl.batch import Sample
+from rl.worker_logs import capture
 from rollout.adapter_layout import merged_to_checkpoint, peft_to_vllm, sibling_prefix
 from rollout.safetensors_io import write_safetensors
 from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
@@ -226,6 +227,8 @@ class RolloutWorker:
     """Owns one vLLM engine. `stage_root`: the per-run staging directory (rollout.staging)."""
 
     def __init__(self, spec: EngineSpec, stage_root: str | Path):
+        # This worker's output, and its engine-core process's, into the run's logs/ (rl/worker_logs.py).
+        capture(f"rollout-{os.getpid()}")
         self.spec = spec
         self.info = read_model_info(spec.model_path, spec.trust_remote_code)
         if spec.enable_sleep_mode and not _has_cuda():

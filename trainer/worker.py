@@ -34,6 +34,7 @@ from rl import algo
 from rl.adapter_files import read_peft_dir
 from rl.batch import Sample
 from rl.compat import hf_checkpoint_state_dict
+from rl.worker_logs import capture
 from trainer import checkpoint_io, lora, sharded_load
 from trainer.batching import MicroBatch, check_lengths, make_micro_batch, pack_micro_batches
 from trainer.optim import make_optimizer
@@ -57,6 +58,7 @@ class _Prepared:
 
 class TrainerWorker:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, spec: TrainerSpec):
+        capture(f"trainer-rank{rank}")  # this rank's own output into the run's logs/ (rl/worker_logs.py)
         self.rank, self.world_size, self.spec = rank, world_size, spec
         use_cuda = torch.cuda.is_available()
         if use_cuda:

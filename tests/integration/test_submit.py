@@ -70,6 +70,10 @@ def ray_cluster():
         f"--temp-dir={temp}",
         f"--ray-client-server-port={_free_port()}",
         f"--dashboard-agent-listen-port={_free_port()}",
+        # Every port named: another Ray on this machine holds the defaults it was started with.
+        f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}",
         "--disable-usage-stats",
     ]
     proc = subprocess.Popen(
@@ -343,3 +347,48 @@ def test_sweep_through_submit_collects_final_metrics(ray_cluster, tmp_path, monk
         str(tmp_path / "runs" / "rs" / "lr=1e-4"): ["3", "0.1", "ok"],
         str(tmp_path / "runs" / "rs" / "lr=3e-4"): ["3", "0.3", "ok"],
     }
+
+
+class _AgentNotUpClient:
+    """Answers as Ray's job server does while a fresh head's job agent has not registered yet, `misses`
+    times, then accepts. A fake: that window lasts a few seconds on a real cluster and cannot be held
+    open on purpose."""
+
+    def __init__(self, misses: int):
+        self.misses, self.calls = misses, 0
+
+    def submit_job(self, **kwargs):
+        self.calls += 1
+        if self.calls <= self.misses:
+            raise RuntimeError(
+                "Request failed with status code 500: No available agent to submit job, please try again later."
+            )
+        return "job-1"
+
+
+def test_submit_waits_for_a_fresh_clusters_job_agent(monkeypatch):
+    monkeypatch.setattr(submit.time, "sleep", lambda s: None)
+    client = _AgentNotUpClient(misses=3)
+    assert submit.submit_entrypoint(client, "true", renv={}) == "job-1"
+    assert client.calls == 4
+
+
+def test_submit_gives_up_on_a_job_agent_that_never_comes(monkeypatch):
+    monkeypatch.setattr(submit.time, "sleep", lambda s: None)
+    monkeypatch.setattr(submit, "AGENT_WAIT_S", 0.0)
+    with pytest.raises(RuntimeError, match="job agent did not come up within 0 s"):
+        submit.submit_entrypoint(_AgentNotUpClient(misses=10**6), "true", renv={})
+
+
+def test_submit_does_not_retry_other_errors(monkeypatch):
+    class Refusing:
+        calls = 0
+
+        def submit_job(self, **kwargs):
+            self.calls += 1
+            raise RuntimeError("Request failed with status code 400: bad runtime_env")
+
+    client = Refusing()
+    with pytest.raises(RuntimeError, match="bad runtime_env"):
+        submit.submit_entrypoint(client, "true", renv={})
+    assert client.calls == 1

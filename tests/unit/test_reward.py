@@ -139,7 +139,9 @@ def test_pool_matches_score_on_the_table():
 
 
 def test_pool_kills_a_hung_worker_and_carries_on():
-    with RewardPool(num_workers=2, timeout_s=0.5, backend=hang_on_request) as pool:
+    # The timeout counts from a worker's READY, so a slow start on a loaded machine is not a timeout; 2 s
+    # is far above scoring one answer and far below the 120 s hang.
+    with RewardPool(num_workers=2, timeout_s=2.0, backend=hang_on_request) as pool:
         start = time.monotonic()
         out = pool.score_batch(
             ["Answer: 1", "hang", "Answer: 2", "hang", "Answer: 4"], ["1", "1", "2", "2", "3"]
@@ -151,10 +153,28 @@ def test_pool_kills_a_hung_worker_and_carries_on():
         assert (out.errors, out.timeouts) == (2, 2)
         assert out.metrics() == {"reward/errors": 2.0, "reward/timeouts": 2.0}
         assert sorted(m.split(":")[0] for m in out.messages) == ["sample 1", "sample 3"]
-        assert elapsed < 10  # two 0.5 s timeouts, not two 120 s sleeps
+        assert elapsed < 60  # two 2 s timeouts, not two 120 s sleeps
         # The replaced workers serve the next batch.
         again = pool.score_batch(["Answer: 5", "Answer: 6"], ["5", "6"])
         assert [r["acc"] for r in again.results] == [True, True] and again.errors == 0
+
+
+class SlowToStart:
+    """A grader whose worker takes 3 s to start (its unpickling in the new process sleeps): as a slow
+    import of a real grader would on a loaded machine."""
+
+    def __setstate__(self, state):
+        time.sleep(3)
+
+    def __call__(self, response: str, ground_truth: str) -> dict:
+        return reward.score(response, ground_truth)
+
+
+def test_pool_timeout_does_not_count_a_workers_start():
+    with RewardPool(num_workers=1, timeout_s=1.0, backend=SlowToStart()) as pool:
+        out = pool.score_batch(["Answer: 1", "Answer: 3"], ["1", "2"])
+    assert (out.errors, out.timeouts) == (0, 0)
+    assert [r["acc"] for r in out.results] == [True, False]
 
 
 def test_pool_counts_crashes_and_exceptions_as_wrong():
