@@ -71,17 +71,19 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 
 def print_summary(s: dict) -> None:
-    lines = [f"run: {s['run_dir']} ({s['steps']} steps, {s['seconds']:.0f} s)"]
+    """One line for the run (steps, time, the held-out rise, the KL), then where the report and logs are."""
+    parts = [f"done: {s['steps']} steps in {s['seconds'] / 60:.1f} min"]
     if s.get("eval_key"):
-        lines.append(
-            f"{s['eval_key']}: {s['eval_start']:.3f} -> {s['eval_end']:.3f} "
-            f"({s['eval_end'] - s['eval_start']:+.3f})"
+        name = s["eval_key"].rsplit("/", 1)[-1]
+        parts.append(
+            f"{name} {s['eval_start']:.3f} -> {s['eval_end']:.3f} ({s['eval_end'] - s['eval_start']:+.3f})"
         )
     if s.get("k3_kl_max") is not None:
-        lines.append(f"rollout_corr/k3_kl: mean {s['k3_kl_mean']:.2e}, max {s['k3_kl_max']:.2e}")
+        parts.append(f"k3 KL mean {s['k3_kl_mean']:.2e} max {s['k3_kl_max']:.2e}")
+    print(" | ".join(parts))
+    print(f"run: {s['run_dir']}  (workers' logs in logs/)")
     if s.get("report"):
-        lines.append(f"report: {s['report']}")
-    print("\n".join(lines))
+        print(f"report: {s['report']}")
 
 
 def _dequantize(args: argparse.Namespace) -> int:
