@@ -6,6 +6,7 @@ The only place that turns the config tree into the small specs the workers take
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +87,11 @@ def init_ray(cfg: SparkConfig, log_dir: Path | None = None) -> bool:
         return False
     logs = {}
     if log_dir is not None:
-        logs = {"log_to_driver": False, "runtime_env": {"env_vars": {LOG_DIR_ENV: str(log_dir.resolve())}}}
+        logs = {
+            "log_to_driver": False,
+            "logging_level": logging.WARNING,  # Ray's own start-up lines; its warnings still show
+            "runtime_env": {"env_vars": {LOG_DIR_ENV: str(log_dir.resolve())}},
+        }
     address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS") or None
     if address:
         ray.init(address=address, **logs)
