@@ -25,20 +25,12 @@ EVAL_PROBLEMS = 256
 ACC_BAND = (0.3, 0.6)
 
 
-def _encode(tokenizer, row: dict, response: str, cache: dict | None = None) -> tuple[list[int], list[int]]:
-    """(prompt ids, response ids + EOS). `cache` keeps each distinct prompt's ids: the demo's problems
-    repeat (200 distinct ones), and rendering the chat template per row costs more than the model step."""
-    key = row["prompt"][0]["content"]
-    prompt_ids = cache.get(key) if cache is not None else None
-    if prompt_ids is None:
-        prompt_ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
-        if hasattr(prompt_ids, "input_ids"):  # transformers 5 may return a BatchEncoding
-            prompt_ids = prompt_ids["input_ids"]
-        prompt_ids = list(prompt_ids)
-        if cache is not None:
-            cache[key] = prompt_ids
+def _encode(tokenizer, row: dict, response: str) -> tuple[list[int], list[int]]:
+    prompt_ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+    if hasattr(prompt_ids, "input_ids"):  # transformers 5 may return a BatchEncoding
+        prompt_ids = prompt_ids["input_ids"]
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return prompt_ids, response_ids
+    return list(prompt_ids), response_ids
 
 
 def _batch(pairs, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,13 +47,6 @@ def _batch(pairs, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return ids, mask, labels
 
 
-def eager_experts_on_cpu(model) -> None:
-    """transformers runs fused experts through torch's grouped_mm by default, which on CPU is a reference
-    loop; its eager per-expert loop computes the same sums in about two thirds of the time here."""
-    if model._can_set_experts_implementation() and not next(model.parameters()).is_cuda:
-        model.set_experts_implementation("eager")
-
-
 def train(model, tokenizer, seed: int, steps: int = STEPS, noise: float = NOISE) -> dict:
     """Fine-tune `model` in place; returns a report with the held-out sampled accuracy."""
     torch.manual_seed(seed)
@@ -72,8 +57,6 @@ def train(model, tokenizer, seed: int, steps: int = STEPS, noise: float = NOISE)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
     )
-    eager_experts_on_cpu(model)
-    prompts: dict = {}
     model.train()
     start = time.perf_counter()
     with Progress(
@@ -86,8 +69,7 @@ def train(model, tokenizer, seed: int, steps: int = STEPS, noise: float = NOISE)
         for step in range(steps):
             chunk = rows[step * BATCH : (step + 1) * BATCH]
             ids, mask, labels = _batch(
-                [_encode(tokenizer, r, sft_response(r, rng, noise), prompts) for r in chunk],
-                tokenizer.pad_token_id,
+                [_encode(tokenizer, r, sft_response(r, rng, noise)) for r in chunk], tokenizer.pad_token_id
             )
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
@@ -139,7 +121,6 @@ def heldout_accuracy(
     """Sampled (temperature 1) accuracy on held-out problems of `seed`, scored by rl.reward (math_dapo)."""
     from rl.reward import score
 
-    eager_experts_on_cpu(model)
     rows = make_rows(n, seed, SPEC, split="heldout")
     ids, mask = left_pad([_encode(tokenizer, r, "")[0] for r in rows], tokenizer.pad_token_id)
     width = ids.shape[1]
