@@ -109,8 +109,7 @@ def check_model(cfg: SparkConfig, problems: list[str]) -> None:
     if moe is False:
         if cfg.lora.target_experts:
             problems.append(
-                f"lora.target_experts: {what} is dense (no experts); "
-                f"set lora.target_experts=false"
+                f"lora.target_experts: {what} is dense (no experts); set lora.target_experts=false"
             )
         if cfg.r3.enabled:
             problems.append(

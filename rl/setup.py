@@ -119,16 +119,16 @@ def init_ray(cfg: SparkConfig) -> bool:
     return True
 
 
-def waiting_for_resources(cfg: SparkConfig, what: str, placement_group_name: str | None = None):
-    """The block that creates workers, reporting what is pending (rl.resource_wait) per `resources.*`."""
+def waiting_for_resources(cfg: SparkConfig, what: str, placement_group_name: str | None = None, out=None):
+    """The block that creates workers, reporting what is pending (rl.resource_wait) every
+    `resources.wait_report_s` and giving up after `resources.wait_timeout_s`."""
     from functools import partial
 
     from rl.resource_wait import pending_summary, report_pending
 
+    r = cfg.resources
     summary = partial(pending_summary, placement_group_name)
-    return report_pending(
-        cfg.resources.wait_report_s, cfg.resources.wait_timeout_s, what=what, summary=summary
-    )
+    return report_pending(r.wait_report_s, r.wait_timeout_s, out=out, what=what, summary=summary)
 
 
 def prompt_requests(prompts: list[Prompt], offset: int = 0) -> list:
