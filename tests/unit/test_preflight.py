@@ -179,3 +179,13 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"sparkrl {__version__}"
+
+
+def test_submit_of_a_moved_run_directory_resumes_it_where_it_lies(tmp_path):
+    from rl.submit import train_command
+
+    moved = tmp_path / "moved"
+    shutil.move(_finished_run(tmp_path), moved)
+    cmd = train_command(str(moved), ["trainer.total_steps=9"], working_dir=None, resume=True)
+    assert cmd.run_dir == moved
+    assert cmd.argv[-2:] == [f"run.dir={moved}", "--resume"] and "trainer.total_steps=9" in cmd.argv
