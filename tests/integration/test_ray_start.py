@@ -150,6 +150,10 @@ def test_waiting_for_resources_is_reported_and_bounded(other_cluster, no_ray_add
         def ping(self):
             return 1
 
+        def wait(self, seconds):
+            time.sleep(seconds)
+            return seconds
+
     cfg = _cfg("resources.wait_report_s=0.5", "resources.wait_timeout_s=2")
     lines: list[str] = []
     actors = []
@@ -166,8 +170,9 @@ def test_waiting_for_resources_is_reported_and_bounded(other_cluster, no_ray_add
         ray.kill(a)
 
     # Nothing pending (a slow start, not a wait for resources): silent, and no timeout however long.
+    slow = Probe.remote()
+    assert ray.get(slow.ping.remote()) == 1  # placed before the block
     lines.clear()
     with waiting_for_resources(cfg, "the slow one", out=lines.append):
-        assert ray.get(Probe.remote().ping.remote()) == 1
-        time.sleep(3)
+        assert ray.get(slow.wait.remote(3.0)) == 3.0
     assert lines == []
