@@ -9,6 +9,7 @@ process), never others on the machine.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -163,9 +164,10 @@ def test_waiting_for_resources_is_reported_and_bounded(other_cluster, no_ray_add
             ray.get([a.ping.remote() for a in actors])
     msg = str(e.value)
     assert msg.startswith("resources.wait_timeout_s: the probes waited")
-    assert "1 Probe actor" in msg and "the cluster has {CPU: 2} on 1 node(s), free {CPU: 0}" in msg
+    assert re.search(r"pending 1 \S*Probe actor", msg)
+    assert "the cluster has {CPU: 2} on 1 node(s), free {CPU: 0}" in msg
+    assert "unmet demands 1 x {CPU: 1}" in msg  # as `ray status` shows it
     assert lines and all(line.startswith("resources: the probes waiting") for line in lines)
-    assert "1 x {CPU: 1}" in lines[0]  # the unmet demand, as `ray status` shows it
     for a in actors:
         ray.kill(a)
 
