@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from pathlib import Path
+
+# Set by Ray's job supervisor in the environment of a job's entrypoint (`ray job submit`, `sparkrl submit`):
+# the job's config as JSON, its metadata holding the submission id.
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+# Keys a resumed run may change: the schedule's length, and where the run directory now is.
+_MAY_CHANGE_ON_RESUME = ("trainer.total_steps", "run.dir")
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
@@ -13,8 +22,6 @@ def _make_tiny(args: argparse.Namespace) -> int:
     print(f"make-tiny: {args.arch} model{' (sft ' + args.sft + ')' if args.sft else ''} at {path}")
     report = path / "sft_report.json"
     if report.exists():
-        import json
-
         r = json.loads(report.read_text())
         lo, hi = r["acc_band"]
         inside = "inside" if lo <= r["heldout_acc"] <= hi else "OUTSIDE"
@@ -25,12 +32,55 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
-    from rl.config import load_config, run_dir
+def load_target(recipe: str, overrides: list[str]):
+    """The config of `recipe` with `overrides`; a run directory is the run: its own config, and `run.dir`
+    set to where the directory is now (it may have been moved or copied since it was written)."""
+    from rl.config import load_config
 
-    cfg = load_config(args.recipe, args.overrides)
+    path = Path(recipe)
+    if path.is_dir() and (path / "config.yaml").is_file():
+        overrides = [f"run.dir={path.resolve()}", *overrides]
+    return load_config(recipe, overrides)
+
+
+def ray_job_id() -> str | None:
+    """The submission id of the Ray job this process is the entrypoint of; None outside a job."""
+    raw = os.environ.get(RAY_JOB_ENV)
+    if raw is None:
+        return None
+    try:
+        return str(json.loads(raw).get("metadata", {}).get("job_submission_id") or "(no id)")
+    except (ValueError, AttributeError):
+        return "(no id)"
+
+
+def absolute_run_dir(cfg) -> Path:
+    """The run directory as an absolute path, written back into `cfg.run.dir`. Inside a Ray job the working
+    directory is Ray's temporary copy of the project, removed with the job's session, so a relative one
+    is refused there."""
+    from rl.config import run_dir
+
+    rdir = run_dir(cfg)
+    job = ray_job_id()
+    if job and not rdir.is_absolute():
+        raise ValueError(
+            f"run.dir: {rdir} is relative, and this process runs inside the Ray job {job}, whose working "
+            f"directory ({Path.cwd()}) is deleted with the job; pass run.dir=/an/absolute/path on a disk that "
+            f"outlives it (`sparkrl submit` does so)"
+        )
+    cfg.run.dir = str(rdir.absolute())
+    return Path(cfg.run.dir)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rl.preflight import preflight
+
+    cfg = load_target(args.recipe, args.overrides)
+    rdir = absolute_run_dir(cfg)
     if args.resume:
-        _check_resume_config(cfg, run_dir(cfg))
+        _check_resume_config(cfg, rdir)
+    preflight(cfg)
+    print(f"run: {rdir}", flush=True)
     from rl.driver import train
 
     summary = train(cfg, resume=args.resume)
@@ -50,7 +100,7 @@ def _check_resume_config(cfg, rdir) -> None:
     saved = load_config(saved_path)
     new, old = _flat(dataclasses.asdict(cfg)), _flat(dataclasses.asdict(saved))
     changed = sorted(
-        k for k in new.keys() | old.keys() if new.get(k) != old.get(k) and k != "trainer.total_steps"
+        k for k in new.keys() | old.keys() if new.get(k) != old.get(k) and k not in _MAY_CHANGE_ON_RESUME
     )
     if changed:
         diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])
@@ -95,7 +145,10 @@ def _dequantize(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rl import __version__
+
     parser = argparse.ArgumentParser(prog="sparkrl", description="LoRA GRPO post-training of MoE models.")
+    parser.add_argument("--version", action="version", version=f"sparkrl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="run GRPO: a recipe (or a run directory) plus key=value overrides")
@@ -136,12 +189,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Options and `key=value` overrides in any order (`train RUN --resume a=1` as well as
+    `train RUN a=1 --resume`): argparse stops a positional list at the first option, so what it leaves
+    over joins the overrides; an unknown option is still an error."""
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     from rl.monitor import StopRun
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, StopRun) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, StopRun, TimeoutError) as e:
         print(f"sparkrl {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -375,7 +375,17 @@ class ResourcesConfig:
     num_gpus: int = _f(0, "GPUs the run uses in all (0 = CPU only).", ge=0)
     gpus_per_node: int = _f(8, "GPUs per node.", ge=1)
     nodes: int = _f(1, "Nodes.", ge=1)
-    ray_address: str = _f("", "Ray cluster to join ('' = start a local one, 'auto' = the running one).")
+    ray_address: str = _f(
+        "",
+        "Ray cluster to join ('' = `$RAY_ADDRESS`, else start a local instance of this run's own; "
+        "'auto' = the running one).",
+    )
+    wait_report_s: float = _f(
+        30.0, "While workers wait for CPU slots or GPUs, print what is pending every N seconds.", gt=0
+    )
+    wait_timeout_s: float = _f(
+        600.0, "Give up when workers have waited this long for resources (0 = wait forever).", ge=0
+    )
 
 
 @dataclass

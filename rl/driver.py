@@ -54,8 +54,8 @@ class Run:
         self.monitor = KLMonitor(cfg.monitor.k3_kl_max, cfg.monitor.k3_kl_trend_max, cfg.monitor.trend_window)
         self.step, self.version, self.skipped_in_a_row, self.skipped_total = 0, 0, 0, 0
         self.eval_history: list[tuple[int, dict]] = []
-        if resume and latest_checkpoint(self.dir) is not None:
-            self._resume(latest_checkpoint(self.dir))
+        if resume and (ckpt := latest_checkpoint(self.dir)) is not None:  # the newest that verifies
+            self._resume(ckpt)
         self.log = MetricsLogger(
             self.dir,
             cfg.trainer.total_steps,

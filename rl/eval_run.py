@@ -14,11 +14,16 @@ import json
 from pathlib import Path
 
 from rl.checkpoint import latest_checkpoint
-from rl.config import SparkConfig, load_config, run_dir
+from rl.config import SparkConfig, run_dir
 
 
 def resolve_target(recipe: str, overrides: list[str], adapter: str | None) -> tuple[SparkConfig, Path | None]:
-    cfg = load_config(recipe, overrides)
+    """The config and the adapter to evaluate. A run directory is the run wherever it now lies: its records
+    go to its own `eval/`, and its newest good checkpoint gives the adapter."""
+    from rl.cli import absolute_run_dir, load_target
+
+    cfg = load_target(recipe, overrides)
+    absolute_run_dir(cfg)
     if adapter is None and Path(recipe).is_dir() and (Path(recipe) / "config.yaml").exists():
         ckpt = latest_checkpoint(Path(recipe))
         if ckpt is None:
@@ -49,7 +54,14 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
 
     from rl.evaluation import eval_metrics, records_from_samples, write_records
     from rl.reward import RewardPool
-    from rl.setup import init_ray, load_prompts_for, prompt_requests, resolve_model_paths, sampling_spec
+    from rl.setup import (
+        init_ray,
+        load_prompts_for,
+        prompt_requests,
+        resolve_model_paths,
+        sampling_spec,
+        waiting_for_resources,
+    )
     from rollout.pool import RolloutPool
     from rollout.spec import engine_spec_from_config
     from rollout.staging import default_stage_root
@@ -60,11 +72,12 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     prompts = load_prompts_for(cfg, cfg.eval.data, tokenizer, "test", cfg.data.arith.eval_rows)
     owns_ray = init_ray(cfg)
-    pool = RolloutPool(
-        engine_spec_from_config(cfg, rollout_path),
-        cfg.rollout.num_workers,
-        stage_dir=str(default_stage_root(f"{cfg.run.name}-eval")),
-    )
+    with waiting_for_resources(cfg, "the rollout engines"):
+        pool = RolloutPool(
+            engine_spec_from_config(cfg, rollout_path),
+            cfg.rollout.num_workers,
+            stage_dir=str(default_stage_root(f"{cfg.run.name}-eval")),
+        )
     try:
         if adapter is not None:
             if cfg.sync.mode == "adapter":
@@ -99,7 +112,10 @@ def register(sub) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from rl.preflight import preflight
+
     cfg, adapter = resolve_target(args.recipe, args.overrides, args.adapter)
+    preflight(cfg, adapter, train=False, evaluate=True)
     tag = (
         adapter.parent.name
         if adapter is not None and adapter.name == "trainer"

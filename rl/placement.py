@@ -57,6 +57,10 @@ def plan_placement(cfg: SparkConfig) -> tuple[list[dict], Placement]:
     )
 
 
+def placement_group_name(cfg: SparkConfig) -> str:
+    return f"sparkrl-{cfg.run.name}"
+
+
 def create_placement(cfg: SparkConfig) -> Placement:
     """Reserve the bundles on the cluster (waits until they are free)."""
     import ray
@@ -65,7 +69,7 @@ def create_placement(cfg: SparkConfig) -> Placement:
     bundles, placement = plan_placement(cfg)
     if not bundles:
         return placement
-    pg = placement_group(bundles, strategy="PACK", name=f"sparkrl-{cfg.run.name}")
+    pg = placement_group(bundles, strategy="PACK", name=placement_group_name(cfg))
     ready, _ = ray.wait([pg.ready()], timeout=600)
     if not ready:
         raise RuntimeError(

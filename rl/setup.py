@@ -14,7 +14,7 @@ from typing import Any
 
 from rl.config import SparkConfig
 from rl.data.loader import Prompt, tokenize_prompts
-from rl.placement import create_placement
+from rl.placement import create_placement, placement_group_name
 
 
 @dataclass
@@ -75,12 +75,16 @@ def load_prompts_for(cfg: SparkConfig, spec: str, tokenizer, split: str, rows: i
 
 
 def init_ray(cfg: SparkConfig, log_dir: Path | None = None) -> bool:
-    """Connect to (or start) Ray; True when this call started or joined it, so the run should shut it down.
+    """Join the cluster `resources.ray_address` (else `$RAY_ADDRESS`) names, or start a local instance of
+    this run's own, never a cluster that happens to run on the machine; True when this call started or
+    joined Ray, so the run should shut it down. A joined cluster is checked for the CPU slots, GPUs and
+    nodes the run needs (rl.preflight).
 
     log_dir: where the workers write their own output (rl/worker_logs.py); the terminal then shows only the
     driver's progress. None keeps Ray's default of streaming every worker's lines to the driver."""
     import ray
 
+    from rl.preflight import check_cluster, cluster_info
     from rl.worker_logs import LOG_DIR_ENV
 
     if ray.is_initialized():
@@ -95,17 +99,48 @@ def init_ray(cfg: SparkConfig, log_dir: Path | None = None) -> bool:
     address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS") or None
     if address:
         ray.init(address=address, **logs)
+        info = cluster_info(ray)
+        print(
+            f"ray: joined the cluster at {info.address} ({address}): {info.cpus:g} CPU slots, "
+            f"{info.gpus:g} GPUs, {info.nodes} node(s)",
+            flush=True,
+        )
+        try:
+            check_cluster(cfg, info)
+        except ValueError:
+            ray.shutdown()
+            raise
         return True
-    # A local cluster: enough CPU slots for every worker even on a 2-core machine (they mostly wait on
-    # each other); the dashboard stays on loopback.
+    # A local instance: enough CPU slots for every worker even on a 2-core machine (they mostly wait on
+    # each other); the dashboard stays off. address="local" starts a new one even where another cluster
+    # runs (or left a stale /tmp/ray/ray_current_cluster), which a bare ray.init() would try to join.
     need = cfg.trainer.num_ranks + cfg.rollout.num_workers + 1
+    num_cpus = max(os.cpu_count() or 1, need)
     ray.init(
-        num_cpus=max(os.cpu_count() or 1, need),
+        address="local",
+        num_cpus=num_cpus,
         num_gpus=cfg.resources.num_gpus or None,
         include_dashboard=False,
         **({"log_to_driver": True} | logs),
     )
+    print(
+        f"ray: started a local instance for this run ({num_cpus} CPU slots, "
+        f"{cfg.resources.num_gpus} GPUs); set resources.ray_address or RAY_ADDRESS to join a cluster",
+        flush=True,
+    )
     return True
+
+
+def waiting_for_resources(cfg: SparkConfig, what: str, placement_group_name: str | None = None, out=None):
+    """The block that creates workers, reporting what is pending (rl.resource_wait) every
+    `resources.wait_report_s` and giving up after `resources.wait_timeout_s`."""
+    from functools import partial
+
+    from rl.resource_wait import pending_summary, report_pending
+
+    r = cfg.resources
+    summary = partial(pending_summary, placement_group_name)
+    return report_pending(r.wait_report_s, r.wait_timeout_s, out=out, what=what, summary=summary)
 
 
 def prompt_requests(prompts: list[Prompt], offset: int = 0) -> list:
@@ -204,32 +239,35 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
     from trainer.group import TrainerGroup
 
     owns_ray = init_ray(cfg, run_dir / "logs")
-    place = create_placement(cfg)  # a bad GPU layout fails here, before any data is read
+    with waiting_for_resources(cfg, "the placement group", placement_group_name(cfg)):
+        place = create_placement(cfg)  # a bad GPU layout fails here, before any data is read
     model_path, rollout_path = resolve_model_paths(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_prompts = load_prompts_for(cfg, cfg.data.train, tokenizer, "train", cfg.data.arith.train_rows)
-    eval_prompts = (
+    eval_prompts = (  # eval.every = 0: no evaluation at all, so no eval data either
         load_prompts_for(cfg, cfg.eval.data, tokenizer, "test", cfg.data.arith.eval_rows)
-        if cfg.eval.data
+        if cfg.eval.data and cfg.eval.every > 0
         else []
     )
-    rollout = RolloutPool(
-        engine_spec_from_config(cfg, rollout_path),
-        cfg.rollout.num_workers,
-        stage_dir=str(default_stage_root(cfg.run.name)),
-        placement_group=place.placement_group,
-        bundle_indices=place.rollout_bundles,
-        actor_options=place.rollout_options,
-    )
+    with waiting_for_resources(cfg, "the rollout engines"):
+        rollout = RolloutPool(
+            engine_spec_from_config(cfg, rollout_path),
+            cfg.rollout.num_workers,
+            stage_dir=str(default_stage_root(cfg.run.name)),
+            placement_group=place.placement_group,
+            bundle_indices=place.rollout_bundles,
+            actor_options=place.rollout_options,
+        )
     spec = trainer_spec(cfg, model_path)
-    trainer = TrainerGroup(
-        spec,
-        cfg.trainer.num_ranks,
-        use_gpu=cfg.resources.num_gpus > 0,
-        placement_group=place.placement_group,
-        bundle_offset=place.trainer_bundle_offset,
-        num_gpus_per_rank=place.trainer_gpus_per_rank,
-    )
+    with waiting_for_resources(cfg, "the trainer ranks"):
+        trainer = TrainerGroup(
+            spec,
+            cfg.trainer.num_ranks,
+            use_gpu=cfg.resources.num_gpus > 0,
+            placement_group=place.placement_group,
+            bundle_offset=place.trainer_bundle_offset,
+            num_gpus_per_rank=place.trainer_gpus_per_rank,
+        )
     reward = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend)
     return Components(
         tokenizer,

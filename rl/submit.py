@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rl.config import ConfigError, find_recipe, load_config
+from rl.config import ConfigError, find_recipe
 
 # The checkout this code runs from: what gets uploaded (None for a non-editable install).
 _CHECKOUT = Path(__file__).resolve().parent.parent
@@ -219,8 +219,11 @@ def train_command(
     resume: bool = False,
 ) -> TrainCommand:
     """The job's argv `python -m rl train RECIPE overrides... run.dir=<abs>`, its run directory and name.
-    Loads the config here first, so a bad recipe or override fails before anything is submitted."""
-    cfg = load_config(recipe, overrides)
+    Loads the config here first, so a bad recipe or override fails before anything is submitted. A run
+    directory is that run, where it lies now (rl.cli.load_target)."""
+    from rl.cli import load_target
+
+    cfg = load_target(recipe, overrides)
     path = find_recipe(recipe)
     if working_dir is not None and is_uploaded(path.absolute(), working_dir):
         recipe_arg = path.resolve().relative_to(working_dir.resolve()).as_posix()

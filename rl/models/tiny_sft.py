@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -23,6 +26,7 @@ BATCH = 64
 LR = 3e-3
 EVAL_PROBLEMS = 256
 ACC_BAND = (0.3, 0.6)
+PROGRESS_EVERY = 0.05  # without a terminal: a progress line every 5% of the steps
 
 
 def _encode(tokenizer, row: dict, response: str) -> tuple[list[int], list[int]]:
@@ -47,6 +51,34 @@ def _batch(pairs, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return ids, mask, labels
 
 
+@contextmanager
+def _progress(steps: int) -> Iterator[Callable[[float], None]]:
+    """A live bar on a terminal; otherwise (a log file, CI, a pipe) a plain line every PROGRESS_EVERY of the
+    steps, so that the minutes of training do not pass in silence."""
+    if sys.stdout.isatty():
+        with Progress(
+            TextColumn("sft arith"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
+            TimeElapsedColumn(),
+        ) as progress:
+            task = progress.add_task("sft", total=steps, loss=float("nan"))
+            yield lambda loss: progress.update(task, advance=1, loss=loss)
+        return
+    every, done, start = max(1, round(steps * PROGRESS_EVERY)), [0], time.perf_counter()
+
+    def advance(loss: float) -> None:
+        done[0] += 1
+        if done[0] % every == 0 or done[0] == steps:
+            print(
+                f"sft arith: step {done[0]}/{steps} ({100 * done[0] / steps:.0f}%), loss {loss:.3f}, "
+                f"{time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
+
+    yield advance
+
+
 def train(model, tokenizer, seed: int, steps: int = STEPS, noise: float = NOISE) -> dict:
     """Fine-tune `model` in place; returns a report with the held-out sampled accuracy."""
     torch.manual_seed(seed)
@@ -59,13 +91,7 @@ def train(model, tokenizer, seed: int, steps: int = STEPS, noise: float = NOISE)
     )
     model.train()
     start = time.perf_counter()
-    with Progress(
-        TextColumn("sft arith"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
-        TimeElapsedColumn(),
-    ) as progress:
-        task = progress.add_task("sft", total=steps, loss=float("nan"))
+    with _progress(steps) as advance:
         for step in range(steps):
             chunk = rows[step * BATCH : (step + 1) * BATCH]
             ids, mask, labels = _batch(
@@ -77,7 +103,7 @@ def train(model, tokenizer, seed: int, steps: int = STEPS, noise: float = NOISE)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            progress.update(task, advance=1, loss=loss.item())
+            advance(loss.item())
     train_s = time.perf_counter() - start
     model.eval()
     acc = heldout_accuracy(model, tokenizer, seed)

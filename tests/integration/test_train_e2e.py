@@ -59,7 +59,7 @@ SMALL = [
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False)  # never another cluster on the machine
     yield
     ray.shutdown()
 
@@ -136,13 +136,15 @@ def test_dense_model_runs_adapter_only_sync(tmp_path, ray_cluster, tiny_dense_pa
             "r3.enabled=false",
             "lora.target_experts=false",
             "trainer.total_steps=2",
-            "eval.at_start=false",
-            "eval.every=0",
+            "eval.every=0",  # no evaluation: not at start, not at the end, and its data is never read
+            "eval.data=BytedTsinghua-SIA/AIME-2024",  # a hub dataset, unreachable offline
         ],
     )
     train(cfg)
     records = read_metrics(tmp_path / "dense")
     assert [r["step"] for r in records] == [1, 2]
+    assert not any(k.startswith("val-core/") for r in records for k in r)
+    assert not (tmp_path / "dense" / "eval").exists()
     # The adapter, not the weights, crossed over: a few hundred kB of LoRA tensors, version advancing.
     assert all(0 < r["perf/sync_bytes"] < 5e6 for r in records)
     assert [r["adapter/version"] for r in records] == [1, 2]
@@ -151,7 +153,7 @@ def test_dense_model_runs_adapter_only_sync(tmp_path, ray_cluster, tiny_dense_pa
     # `sparkrl eval RUN_DIR` scores the newest checkpoint's adapter on fresh rollout workers.
     from rl.eval_run import resolve_target, run_eval
 
-    cfg, adapter = resolve_target(str(tmp_path / "dense"), [], None)
+    cfg, adapter = resolve_target(str(tmp_path / "dense"), ["eval.data=synthetic:arith"], None)
     assert adapter == tmp_path / "dense" / "checkpoints" / "step_2" / "trainer"
     out = run_eval(cfg, adapter, "step_2")
     assert set(out["metrics"]) == {f"val-core/synthetic/arith/acc/{m}@4" for m in ("mean", "maj", "best")}

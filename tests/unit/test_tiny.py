@@ -91,3 +91,15 @@ def test_out_refuses_to_overwrite_a_directory_that_is_not_a_model(tmp_path, monk
 def test_unknown_arch_is_a_clear_error():
     with pytest.raises(ValueError, match="--arch must be one of dense, qwen3_moe"):
         tiny.make_tiny("llama9")
+
+
+def test_sft_progress_without_a_terminal_is_a_line_every_five_percent(capsys):
+    from rl.models.tiny_sft import _progress
+
+    with _progress(500) as advance:  # capsys: stdout is not a terminal
+        for step in range(500):
+            advance(2.0 - step / 500)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 20
+    assert lines[0].startswith("sft arith: step 25/500 (5%), loss 1.952")
+    assert lines[-1].startswith("sft arith: step 500/500 (100%), loss 1.002")
