@@ -53,9 +53,6 @@ class AlgoConfig:
     tis_cap: float | None = None  # truncated IS, cap C; None = off
     mis_token_bounds: tuple[float, float] | None = None  # masked IS, ratio bounds per token
     mis_seq_bounds: tuple[float, float] | None = None  # masked IS, bounds on the geometric-mean ratio
-    dynamic_sampling: bool = False
-    overlong_buffer: int = 0  # DAPO soft overlong penalty; 0 = off
-    overlong_penalty_factor: float = 1.0
 
 
 # ----------------------------------------------------------------------------------------------------
