@@ -22,6 +22,7 @@ def test_rows_are_the_steps_and_their_median_leaves_out_the_first(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, "median"]
     assert set(rows[0]) == {"step", *KEYS}
     median = rows[-1]
-    assert median["step_s"] == 5.0 and median["k3_kl"] == pytest.approx(3e-5)  # step 1 (compiling, warming) left out
+    # step 1 (compiling, warming) left out
+    assert median["step_s"] == 5.0 and median["k3_kl"] == pytest.approx(3e-5)
     assert median["sync_share"] == 1.0 / 5.0
     assert median["rollout_s"] is None  # absent from every step: no figure made up
