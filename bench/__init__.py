@@ -1,1 +1,1 @@
-"""Benchmarks of issue 11, run on the GPU machine by `python -m bench.run_all` (see bench/README.md)."""
+"""Benchmark commands on the product's own parts: `python -m bench.rollout|sync|kl|trainer|grpo` (bench/README.md)."""

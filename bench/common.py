@@ -1,179 +1,210 @@
-"""What every benchmark shares: timestamped logging, JSON results written after every row, the time
-budget, the environment record, the vLLM plugin, and opening an engine with a fallback.
+"""What every benchmark command shares: its command line, the product's components, the environment
+record, and the results written as JSON and as a markdown table.
 
-Nothing here touches CUDA: the driver process stays CUDA-free so that vLLM can fork its engine processes
-(fast) and so that an engine's memory is freed when its process exits.
+A command is `python -m bench.NAME RECIPE [key=value ...] [--out DIR] [its own flags]`: the recipe and
+overrides are those of `sparkrl train` (rl.config), so what is measured is what a run with that config
+runs; engine options with no key of their own go through `rollout.engine_args`. It writes
+`DIR/NAME.json` ({"bench", "env", "config", "rows"}) and `DIR/NAME.md` (the rows as a table, the command
+and the environment under it).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-START = time.time()
-_LOG_FILE: Path | None = None
-
-
-def log(msg: str) -> None:
-    """`[UTC time +seconds since start] msg` to stdout and $OUT/log.txt (flushed: a killed run keeps it)."""
-    now = dt.datetime.now(dt.UTC).strftime("%H:%M:%S")
-    line = f"[{now} +{time.time() - START:7.1f}s] {msg}"
-    print(line, flush=True)
-    if _LOG_FILE is not None:
-        with _LOG_FILE.open("a") as f:
-            f.write(line + "\n")
+REPO = Path(__file__).resolve().parent.parent
 
 
-def set_log_file(path: Path) -> None:
-    global _LOG_FILE
-    _LOG_FILE = path
+@dataclass
+class Bench:
+    """One benchmark command: its flags, what it needs started, and the measurement itself."""
+
+    name: str
+    doc: str
+    columns: tuple[str, ...]  # the markdown table's columns, keys of the rows
+    measure: Callable[[Any, argparse.Namespace], list[dict]]  # (Setup, args) -> rows
+    add_args: Callable[[argparse.ArgumentParser], None] = lambda p: None
+    rollout: bool = True
+    trainer: Callable[[Any], bool] = lambda cfg: True  # from the config: whether the trainer is started
 
 
-def out_dir() -> Path:
-    return Path(os.environ.get("OUT") or "bench_out")
+@dataclass
+class Setup:
+    """The config and the product's workers a benchmark measures (rl.setup builds them as a run does)."""
+
+    cfg: Any  # rl.config.SparkConfig
+    tokenizer: Any
+    model_path: str
+    rollout_path: str
+    rollout: Any = None  # rollout.pool.RolloutPool
+    trainer: Any = None  # trainer.group.TrainerGroup
+    owns_ray: bool = False
+
+    def close(self) -> None:
+        import ray
+
+        for part in (self.rollout, self.trainer):
+            if part is not None:
+                part.shutdown()
+        if self.owns_ray:
+            ray.shutdown()
 
 
-def write_json(path: Path, obj) -> None:
-    """Atomic: a run killed while writing leaves the previous complete file."""
+def start(cfg, rollout: bool = True, trainer: bool = True) -> Setup:
+    """Ray, the placement, and the rollout pool and/or trainer group of `cfg`, as rl.setup makes them."""
+    from transformers import AutoTokenizer
+
+    from rl.placement import create_placement
+    from rl.setup import build_rollout, build_trainer, init_ray, resolve_model_paths, trainer_spec
+
+    model_path, rollout_path = resolve_model_paths(cfg)
+    s = Setup(cfg, AutoTokenizer.from_pretrained(model_path), model_path, rollout_path)
+    if not (rollout or trainer):  # the command starts what it needs itself (bench.grpo: rl.driver.Run)
+        return s
+    s.owns_ray = init_ray(cfg)
+    place = create_placement(cfg)
+    try:
+        if rollout:
+            s.rollout = build_rollout(cfg, place, rollout_path)
+        if trainer:
+            s.trainer = build_trainer(cfg, place, trainer_spec(cfg, model_path))
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def sync_adapter(s: Setup, version: int) -> dict:
+    """The driver's step 6 (rl.driver.Run.sync_weights): the trainer's policy into the rollout engines."""
+    if s.cfg.sync.mode == "adapter":
+        tensors, peft_config = s.trainer.export_adapter_ref(dtype=s.cfg.model.dtype)
+        return s.rollout.load_adapter(tensors, peft_config, version)
+    return s.rollout.load_merged_weights(s.trainer.export_merged(), version)
+
+
+def parser(bench: Bench) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m bench.{bench.name}", description=bench.doc)
+    p.add_argument("recipe", help="a recipe (path or name under recipes/), as for `sparkrl train`")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out", help="results folder")
+    bench.add_args(p)
+    return p
+
+
+def run(bench: Bench, argv: list[str] | None = None, setup: Setup | None = None) -> dict:
+    """Parse, start (unless `setup` is given: tests share one), measure, write; returns the JSON document."""
+    from rl.config import load_config
+
+    args = parser(bench).parse_args(argv)
+    own = setup is None
+    if setup is None:
+        cfg = load_config(args.recipe, args.overrides)
+        setup = start(cfg, bench.rollout, bench.trainer(cfg))
+    s = setup
+    try:
+        rows = bench.measure(s, args)
+    finally:
+        if own:
+            s.close()
+    doc = {
+        "bench": bench.name,
+        "env": env_info(bench.name, argv if argv is not None else sys.argv[1:]),
+        "config": {"recipe": args.recipe, "overrides": args.overrides, "model": s.model_path},
+        "args": {k: v for k, v in vars(args).items() if k not in ("recipe", "overrides", "out")},
+        "rows": rows,
+    }
+    out = Path(args.out)
+    write_atomic(out / f"{bench.name}.json", json.dumps(doc, indent=1, default=str) + "\n")
+    write_atomic(out / f"{bench.name}.md", markdown(doc, bench.columns))
+    print(markdown(doc, bench.columns))
+    return doc
+
+
+def main(bench: Bench) -> int:
+    run(bench)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Output
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write to a temporary file and rename: a killed run leaves the previous complete file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
     with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, default=_jsonable)
-        f.write("\n")
+        f.write(text)
     os.replace(tmp, path)
 
 
-def _jsonable(v):
-    if hasattr(v, "tolist"):
-        return v.tolist()
-    if isinstance(v, Path):
+def fmt(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
         return str(v)
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        return f"{v:.3g}" if abs(v) < 1e-2 and v != 0 else f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
     return str(v)
 
 
-class Results:
-    """`<out>/<bench>.json` = {"bench", "meta", "rows"}, rewritten after every added row."""
-
-    def __init__(self, out: Path, bench: str, meta: dict | None = None):
-        self.path = out / f"{bench}.json"
-        self.doc = {"bench": bench, "meta": dict(meta or {}), "rows": []}
-        if self.path.exists():  # a second driver call into the same folder adds to it
-            try:
-                old = json.loads(self.path.read_text())
-                self.doc["rows"] = old.get("rows", [])
-            except (OSError, ValueError):
-                pass
-
-    def add(self, **row) -> dict:
-        row.setdefault("status", "ok")
-        self.doc["rows"].append(row)
-        write_json(self.path, self.doc)
-        return row
-
-    def skip(self, reason: str, **row) -> dict:
-        log(f"  skipped {self.doc['bench']} {row}: {reason}")
-        return self.add(status="skipped", reason=reason, **row)
-
-    def error(self, err: BaseException, **row) -> dict:
-        log(f"  ERROR in {self.doc['bench']} {row}: {type(err).__name__}: {str(err)[:400]}")
-        return self.add(status="error", reason=f"{type(err).__name__}: {str(err)[:1000]}", **row)
-
-
-class Budget:
-    """Wall-clock budget of this driver call: a phase starts only when its estimate still fits, so that a
-    remote call ends (with its JSON written) before the machine's own limit kills it."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    def left(self) -> float:
-        return self.seconds - (time.time() - START)
-
-    def allows(self, estimate_s: float) -> bool:
-        return self.left() >= estimate_s
-
-
-# ----------------------------------------------------------------------------------------------------
-# The vLLM plugin: vLLM finds the Muse model through the `vllm.general_plugins` entry point in every process
-# it starts. On the GPU machine the repo is on PYTHONPATH, not pip-installed, so there is no entry point;
-# a one-file dist-info directory on PYTHONPATH provides it (importlib.metadata scans sys.path), for the
-# engine processes vLLM forks or spawns and for Ray workers alike.
-
-PLUGIN_VALUE = "rollout.models:register"
-PLUGIN_NAME = "sparkrl_bench_models"  # its own name: VLLM_PLUGINS=sparkrl_bench_models selects it alone
-
-
-def write_plugin_dist(root: Path) -> Path:
-    """A dist-info directory under `root` declaring the entry point; `root` must then be on sys.path."""
-    dist = Path(root) / "sparkrl_bench_plugin-0.0.dist-info"
-    dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sparkrl-bench-plugin\nVersion: 0.0\n")
-    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN_NAME} = {PLUGIN_VALUE}\n")
-    return dist
-
-
-def ensure_vllm_plugin(root: Path, force: bool = False) -> str:
-    """Make the entry point visible here and in child processes; returns how ("installed" / a path).
-    `force` (env SPARKRL_BENCH_PLUGIN_DIST=1) writes ours even where the package's is installed."""
-    from importlib.metadata import entry_points
-
-    force = force or os.environ.get("SPARKRL_BENCH_PLUGIN_DIST") == "1"
-    if not force and any(ep.value == PLUGIN_VALUE for ep in entry_points(group="vllm.general_plugins")):
-        return "installed"
-    write_plugin_dist(root)
-    sys.path.insert(0, str(root))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    if not any(ep.name == PLUGIN_NAME for ep in entry_points(group="vllm.general_plugins")):
-        raise RuntimeError(f"the vLLM plugin entry point written under {root} is not visible")
-    return str(root)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Environment record.
+def markdown(doc: dict, columns: tuple[str, ...]) -> str:
+    e = doc["env"]
+    versions = ", ".join(f"{k} {v}" for k, v in e["versions"].items() if v)
+    hardware = e["gpu"] or f"CPU ({e['cpus']} cores)"
+    lines = [
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+        *("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in doc["rows"]),
+        "",
+        f"{e['date_utc']}, {hardware}; {versions}; commit {e['git_commit']}.",
+        f"`{e['command']}`",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def _version(module: str) -> str | None:
     try:
-        mod = __import__(module)
-        return getattr(mod, "__version__", "?")
+        return getattr(__import__(module), "__version__", "?")
     except Exception:  # noqa: BLE001 - absent or broken: record that, do not fail the run
         return None
 
 
-def _run(cmd: list[str]) -> str | None:
+def _stdout(cmd: list[str]) -> str | None:
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 
 
-def env_info(args: dict, module: str = "bench.run_all") -> dict:
-    """GPU, driver, versions, date and the command: the header of docs/benchmarks.md."""
-    repo = Path(__file__).resolve().parent.parent
+def env_info(name: str, argv: list[str]) -> dict:
+    """Date, hardware, versions, commit and the exact command: what a figure needs beside it."""
     return {
         "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, "-m", module] + sys.argv[1:]),
-        "args": args,
+        "command": " ".join(["python", "-m", f"bench.{name}", *argv]),
         "python": platform.python_version(),
-        "host": platform.node(),
         "cpus": os.cpu_count(),
-        "gpu": _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]),
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "versions": {
-            m: _version(m)
-            for m in ("torch", "vllm", "transformers", "peft", "ray", "compressed_tensors", "triton")
-        },
-        "git_commit": _run(["git", "-C", str(repo), "rev-parse", "HEAD"]),
-        # adapters are staged under /dev/shm (a container may give it only 64 MB); models under --root
-        "free_gb": {
-            d: round(shutil.disk_usage(d).free / 1e9, 1) for d in ("/dev/shm", "/tmp") if Path(d).is_dir()
-        },
+        "gpu": _stdout(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+        ),
+        "versions": {m: _version(m) for m in ("torch", "vllm", "transformers", "peft", "ray", "verl")},
+        "git_commit": _stdout(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]),
     }
+
+
+def median(values: list[float]) -> float:
+    import numpy as np
+
+    return float(np.median(values))

@@ -53,9 +53,6 @@ class AlgoConfig:
     tis_cap: float | None = None  # truncated IS, cap C; None = off
     mis_token_bounds: tuple[float, float] | None = None  # masked IS, ratio bounds per token
     mis_seq_bounds: tuple[float, float] | None = None  # masked IS, bounds on the geometric-mean ratio
-    dynamic_sampling: bool = False
-    overlong_buffer: int = 0  # DAPO soft overlong penalty; 0 = off
-    overlong_penalty_factor: float = 1.0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -260,7 +257,7 @@ def k3_sequence_sums(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T] each -> (each sequence's sum of k3 over its tokens, its token count), [B] each, float64:
     `rollout_corr/k3_kl` is sums.sum() / counts.sum(). Two scorings of the same sequences (R3 on and off)
-    compare pairwise through these, resampling sequences (bench.goals.kl_goal)."""
+    compare pairwise through these (bench/kl.py keeps both in its rows)."""
     m = _check_mask("mask", mask)
     d = _check_values("logp_trainer", logp_trainer, m).double() - _check_values(
         "logp_rollout", logp_rollout, m

@@ -1,6 +1,6 @@
 """The data contract between rollout, reward and trainer: one `Sample` per generated response.
 
-Field meanings are those of ../shared/design.md (RolloutBatch). Everything here is plain Python and
+docs/design.md describes the fields and who fills them. Everything here is plain Python and
 numpy so that a batch crosses Ray process boundaries cheaply and without torch in the rollout process.
 """
 
@@ -49,22 +49,3 @@ class Sample:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
-
-
-@dataclass
-class RolloutBatch:
-    samples: list[Sample]
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def groups(self) -> dict[int, list[Sample]]:
-        """Samples by prompt index, in order of first appearance."""
-        out: dict[int, list[Sample]] = {}
-        for s in self.samples:
-            out.setdefault(s.group, []).append(s)
-        return out
-
-    @property
-    def num_response_tokens(self) -> int:
-        return sum(len(s.response_ids) for s in self.samples)

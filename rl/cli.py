@@ -92,13 +92,13 @@ def _check_resume_config(cfg, rdir) -> None:
     """A resumed run must have the config it started with: same data order, same schedule."""
     import dataclasses
 
-    from rl.config import load_config
+    from rl.config import flatten, load_config
 
     saved_path = rdir / "config.yaml"
     if not saved_path.exists():
         raise FileNotFoundError(f"--resume: {rdir} holds no run (no config.yaml)")
     saved = load_config(saved_path)
-    new, old = _flat(dataclasses.asdict(cfg)), _flat(dataclasses.asdict(saved))
+    new, old = flatten(dataclasses.asdict(cfg)), flatten(dataclasses.asdict(saved))
     changed = sorted(
         k for k in new.keys() | old.keys() if new.get(k) != old.get(k) and k not in _MAY_CHANGE_ON_RESUME
     )
@@ -108,16 +108,6 @@ def _check_resume_config(cfg, rdir) -> None:
             f"--resume: the config differs from the run's own {saved_path} ({diff}); resume with "
             f"`sparkrl train {rdir} --resume` (only trainer.total_steps may change)"
         )
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def print_summary(s: dict) -> None:

@@ -26,7 +26,23 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 
-def _f(default: Any, doc: str, choices: tuple = (), *, ge=None, gt=None, le=None, lt=None) -> Any:
+class Registered:
+    """The choices of a field that are the names a registry holds (`module.name`, a dict or a tuple), read
+    when they are checked: one list of names, the code's own, and a config loads without importing the
+    module until it is validated."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def __iter__(self):
+        import importlib
+
+        return iter(tuple(getattr(importlib.import_module(self.module), self.name)))
+
+
+def _f(
+    default: Any, doc: str, choices: "tuple | Registered" = (), *, ge=None, gt=None, le=None, lt=None
+) -> Any:
     """A field with its doc line, allowed choices and bounds in its metadata (read by validate, the docs)."""
     meta = {"doc": doc, "choices": choices, "bounds": {"ge": ge, "gt": gt, "le": le, "lt": lt}}
     if isinstance(default, list | dict):
@@ -107,7 +123,7 @@ class RolloutConfig:
         "sample: a seed per sample, reproducible whatever the batching, a resumed run included (vLLM draws "
         "seeded noise one request at a time: the largest host cost of a big decode batch); engine: the "
         "engine's generator, one draw per step, samples not reproducible.",
-        ("sample", "engine"),
+        Registered("rollout.spec", "SEED_SCOPES"),
     )
     cpu_kvcache_gb: float = _f(
         0.0, "KV cache size in GiB on the vLLM CPU backend (0 = vLLM's default).", ge=0
@@ -119,7 +135,14 @@ class RolloutConfig:
     )
     enable_prefix_caching: bool = _f(True, "Reuse the KV cache of a shared prompt across its n samples.")
     moe_backend: str = _f(
-        "auto", "MoE kernel for quantized experts (marlin: weight-only FP4 on Hopper).", ("auto", "marlin")
+        "auto",
+        "MoE kernel for quantized experts (marlin: weight-only FP4 on Hopper).",
+        Registered("rollout.spec", "MOE_BACKENDS"),
+    )
+    engine_args: dict[str, Any] = _f(
+        {},
+        "Further `vllm.LLM` keyword arguments, passed as they are and over the ones sparkrl sets, e.g. "
+        "`{compilation_config: {cudagraph_mode: FULL_DECODE_ONLY}}` or `{max_num_batched_tokens: 8192}`.",
     )
 
 
@@ -243,10 +266,12 @@ class OverlongConfig:
 class AlgorithmConfig:
     """Advantages and the policy loss."""
 
-    adv_estimator: str = _f("grpo", "Advantage estimator.", ("grpo", "drgrpo", "rloo"))
+    adv_estimator: str = _f("grpo", "Advantage estimator.", Registered("rl.algo", "ADV_ESTIMATORS"))
     norm_adv_by_std: bool = _f(True, "Divide group-centred rewards by the group's standard deviation.")
     policy_loss: str = _f(
-        "vanilla", "Token-level clipped PPO (vanilla) or sequence-level ratio (gspo).", ("vanilla", "gspo")
+        "vanilla",
+        "Token-level clipped PPO (vanilla, also named ppo) or sequence-level ratio (gspo).",
+        Registered("rl.algo", "POLICY_LOSSES"),
     )
     clip_ratio_low: float = _f(0.2, "Lower clip: ratio >= 1 - clip_ratio_low.", ge=0, le=1)
     clip_ratio_high: float = _f(0.28, "Upper clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher).", ge=0)
@@ -254,7 +279,7 @@ class AlgorithmConfig:
     loss_agg_mode: str = _f(
         "token-mean",
         "How token losses are averaged.",
-        ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+        Registered("rl.algo", "LOSS_AGG_MODES"),
     )
     entropy_coeff: float = _f(0.0, "Entropy bonus coefficient.", ge=0)
     kl_coef: float = _f(0.0, "KL penalty to the base model (the adapter switched off); 0 = none.", ge=0)
@@ -297,7 +322,9 @@ class RewardConfig:
     """Scoring of responses against the ground truth."""
 
     backend: str = _f(
-        "math_dapo", "Verifier: DAPO's 'Answer:' line match, or math-verify.", ("math_dapo", "math_verify")
+        "math_dapo",
+        "Verifier: DAPO's 'Answer:' line match, or math-verify.",
+        Registered("rl.reward", "BACKENDS"),
     )
     timeout_s: float = _f(10.0, "Seconds allowed to score one response (then reward 0).", gt=0)
     num_workers: int = _f(0, "Scoring processes (0 = in the driver).", ge=0)
@@ -597,13 +624,13 @@ def _nest(key: str, value: Any) -> dict:
     return value
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     """{'trainer': {'lr': 1}} -> {'trainer.lr': 1}, stopping at the schema's leaves (a dict-typed field)."""
     out = {}
     for key, value in tree.items():
         path = f"{prefix}{key}"
         if isinstance(value, dict) and (path not in _FIELDS or is_section(_FIELDS[path][1])):
-            out.update(_flatten(value, path + "."))
+            out.update(flatten(value, path + "."))
         else:
             out[path] = value
     return out
@@ -654,8 +681,8 @@ def load_config(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ())
         try:
             cfg = OmegaConf.merge(cfg, t)
         except OmegaConfBaseException as e:
-            raise ConfigError([f"{src}: {_type_problem(e, _flatten(t))}"]) from None
-        origin.update(dict.fromkeys(_flatten(t), src))
+            raise ConfigError([f"{src}: {_type_problem(e, flatten(t))}"]) from None
+        origin.update(dict.fromkeys(flatten(t), src))
 
     try:
         obj = OmegaConf.to_object(cfg)
@@ -715,9 +742,9 @@ def _field_problems(obj: Any, prefix: str = ""):
         value, key = getattr(obj, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             yield from _field_problems(value, key + ".")
-        elif f.metadata.get("choices") and value not in f.metadata["choices"]:
-            names = ", ".join(repr(c) for c in f.metadata["choices"])
-            near = difflib.get_close_matches(str(value), [c for c in f.metadata["choices"] if c], n=1)
+        elif f.metadata.get("choices") and value not in (choices := tuple(f.metadata["choices"])):
+            names = ", ".join(repr(c) for c in choices)
+            near = difflib.get_close_matches(str(value), [c for c in choices if c], n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             yield key, f"expected one of {names}, got {value!r}{hint}"
         elif isinstance(value, int | float) and not _in_bounds(value, f.metadata["bounds"]):

@@ -1,4 +1,4 @@
-"""The GRPO driver: one step of ../shared/design.md per loop iteration, on a Ray cluster.
+"""The GRPO driver: one step of docs/design.md per loop iteration, on a Ray cluster.
 
     for step in steps:
         batch   = rollout.generate(prompts)                   # 1. samples, log-probs, routed experts

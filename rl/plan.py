@@ -35,11 +35,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rl import model_info
+from rl.model_info import quantization_kind
+
 GiB = 2**30
 H200_GIB = 140.0  # nvidia-smi: 143,771 MiB
 NVFP4_BYTES = 0.5 + 1 / 16  # FP4 values plus one FP8 scale per 16 (the per-tensor global scale is negligible)
-# vLLM accepts only these LoRA ranks as max_lora_rank (rollout/worker.py VLLM_LORA_RANKS, from vLLM's config).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_BATCHED_TOKENS = 16384  # vLLM's max_num_batched_tokens for the LLM class on a large GPU
 RUNTIME_BYTES = 1 * GiB  # CUDA context, allocator slack, NCCL buffers: per process on a GPU
 CUDA_GRAPH_BYTES = 1 * GiB
@@ -192,18 +193,6 @@ QWEN3_30B_A3B = {
 }
 
 
-def quantization_kind(quant) -> str | None:
-    """'nvfp4' for an NVFP4 compressed-tensors config, else its quant_method, or None."""
-    if not quant:
-        return None
-    formats = [quant.get("format")] + [
-        g.get("format") for g in (quant.get("config_groups") or {}).values() if isinstance(g, dict)
-    ]
-    if any(f and "nvfp4" in str(f) for f in formats):
-        return "nvfp4"
-    return quant.get("quant_method", "unknown")
-
-
 def shape_from_hf(config: dict, name: str, source: str) -> ModelShape:
     """A ModelShape from a Hugging Face config.json (Qwen3-MoE, Mixtral, DeepSeek-style and dense models)."""
     c = config.get("text_config") or config
@@ -212,7 +201,7 @@ def shape_from_hf(config: dict, name: str, source: str) -> ModelShape:
         vocab = c["vocab_size"]
     except KeyError as e:
         raise ValueError(f"{source}: config.json has no {e.args[0]}; cannot plan for this model") from None
-    experts = next((c[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if c.get(k)), 0)
+    experts = model_info.num_experts(c)
     dense = set()
     if experts:
         dense |= set(c.get("mlp_only_layers") or [])
@@ -334,7 +323,7 @@ def rollout_format(cfg, shape: ModelShape) -> tuple[str, str]:
 
 
 def vllm_lora_rank(rank: int) -> int:
-    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+    return model_info.vllm_lora_rank(rank) or rank
 
 
 def _lora_modules(cfg, s: ModelShape) -> list[tuple[str, int, int, int, str]]:

@@ -229,14 +229,40 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
     )
 
 
+def build_rollout(cfg: SparkConfig, place, rollout_path: str):
+    """The rollout pool (`rollout.pool.RolloutPool`) of the config, on `place` (rl.placement)."""
+    from rollout.pool import RolloutPool
+    from rollout.spec import engine_spec_from_config
+    from rollout.staging import default_stage_root
+
+    return RolloutPool(
+        engine_spec_from_config(cfg, rollout_path),
+        cfg.rollout.num_workers,
+        stage_dir=str(default_stage_root(cfg.run.name)),
+        placement_group=place.placement_group,
+        bundle_indices=place.rollout_bundles,
+        actor_options=place.rollout_options,
+    )
+
+
+def build_trainer(cfg: SparkConfig, place, spec):
+    """The trainer group (`trainer.group.TrainerGroup`) of `spec` (`trainer_spec`), on `place` (rl.placement)."""
+    from trainer.group import TrainerGroup
+
+    return TrainerGroup(
+        spec,
+        cfg.trainer.num_ranks,
+        use_gpu=cfg.resources.num_gpus > 0,
+        placement_group=place.placement_group,
+        bundle_offset=place.trainer_bundle_offset,
+        num_gpus_per_rank=place.trainer_gpus_per_rank,
+    )
+
+
 def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
     from transformers import AutoTokenizer
 
     from rl.reward import RewardPool
-    from rollout.pool import RolloutPool
-    from rollout.spec import engine_spec_from_config
-    from rollout.staging import default_stage_root
-    from trainer.group import TrainerGroup
 
     owns_ray = init_ray(cfg, run_dir / "logs")
     with waiting_for_resources(cfg, "the placement group", placement_group_name(cfg)):
@@ -250,24 +276,10 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
         else []
     )
     with waiting_for_resources(cfg, "the rollout engines"):
-        rollout = RolloutPool(
-            engine_spec_from_config(cfg, rollout_path),
-            cfg.rollout.num_workers,
-            stage_dir=str(default_stage_root(cfg.run.name)),
-            placement_group=place.placement_group,
-            bundle_indices=place.rollout_bundles,
-            actor_options=place.rollout_options,
-        )
+        rollout = build_rollout(cfg, place, rollout_path)
     spec = trainer_spec(cfg, model_path)
     with waiting_for_resources(cfg, "the trainer ranks"):
-        trainer = TrainerGroup(
-            spec,
-            cfg.trainer.num_ranks,
-            use_gpu=cfg.resources.num_gpus > 0,
-            placement_group=place.placement_group,
-            bundle_offset=place.trainer_bundle_offset,
-            num_gpus_per_rank=place.trainer_gpus_per_rank,
-        )
+        trainer = build_trainer(cfg, place, spec)
     reward = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend)
     return Components(
         tokenizer,

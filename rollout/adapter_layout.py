@@ -19,10 +19,9 @@ the delta of expert e is `scaling * B_e @ A_e` (`[out, in]`).
 vLLM 0.26 loads that 3D layout only with `enable_mixed_moe_lora_format=True` on the engine and
 `is_3d_lora_weight=True` on the request (without them its engine dies in `lora/layers/fused_moe.py`); then
 `LoRAModelManager._convert_3d_to_2d_moe_lora` splits it per expert, in a few tensor ops per layer. That is
-`stacked_experts=True` below (`sync.expert_layout: stacked`, the default since it synced in half the time
-on the H200, docs/benchmarks.md; the shared design's per-expert layout is `per_expert`). Otherwise it loads
-per-expert 2D keys `...mlp.experts.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight` with A `[r, in]`
-and B `[out, r]` (../shared/gpu/NOTES.md). `gate_up_proj` stacks gate then up along its output (see
+`stacked_experts=True` below (`sync.expert_layout: stacked`, the default: it syncs in half the time of
+`per_expert` on the H200, docs/benchmarks.md). Otherwise (`per_expert`) it loads per-expert 2D keys
+`...mlp.experts.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight` with A `[r, in]` and B `[out, r]`. `gate_up_proj` stacks gate then up along its output (see
 transformers' `Qwen3MoeExperts.forward`: `linear(x, gate_up_proj[e]).chunk(2)`), so its B splits in
 halves and both halves share A.
 
@@ -184,9 +183,8 @@ def _scaled(b: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> t
 def _one_thread():
     """The conversion is a few kernels per layer, each short (a few ms at most); with more threads each opens
     an OpenMP parallel region whose barrier waits for every thread, and a rollout host's cores are busy
-    (vLLM's engine processes). The per-expert copies this conversion used to make took 1.7 s on the H200
-    host's 16 threads against ~0.1 s on one. The present one, on the 2-core CI machine: 0.11 s on one
-    thread; on two, the same when idle and 0.07 to 0.9 s while another process held one core."""
+    (vLLM's engine processes). On the 2-core CI machine the conversion takes 0.11 s on one thread; on two,
+    the same when idle and 0.07 to 0.9 s while another process held one core."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

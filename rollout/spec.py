@@ -6,6 +6,7 @@ Ray process boundaries cheaply.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,7 @@ class EngineSpec:
     moe_backend: str = "auto"  # "marlin" pins weight-only FP4 experts to Marlin
     enable_prefix_caching: bool = True
     trust_remote_code: bool = False
-    # Further `vllm.LLM` keyword arguments, passed as they are (an escape hatch, e.g. for a new vLLM option).
+    # Further `vllm.LLM` keyword arguments, passed as they are over the ones above (`rollout.engine_args`).
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -136,4 +137,5 @@ def engine_spec_from_config(cfg, model_path: str) -> EngineSpec:
         moe_backend=ro.moe_backend,
         enable_prefix_caching=ro.enable_prefix_caching,
         trust_remote_code=cfg.model.trust_remote_code,
+        extra_engine_args=copy.deepcopy(dict(ro.engine_args)),
     )

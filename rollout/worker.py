@@ -19,6 +19,7 @@ import torch
 
 from rl.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft_dir
 from rl.batch import Sample
+from rl.model_info import num_experts, quantization_kind, vllm_lora_rank
 from rl.worker_logs import capture
 from rollout.adapter_layout import merged_to_checkpoint, peft_to_vllm, sibling_prefix
 from rollout.safetensors_io import write_safetensors
@@ -27,8 +28,6 @@ from rollout.staging import StageDir, dir_bytes
 
 log = logging.getLogger(__name__)
 
-# vLLM accepts only these LoRA ranks as `max_lora_rank` (vllm.config.lora.MaxLoRARanks, 0.26 and 0.30).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 EXTENSION = "rollout.vllm_ext.SparkWorkerExtension"
 SCHEDULER = "rollout.vllm_ext.routing_at_finish_scheduler"
 
@@ -52,37 +51,17 @@ class ModelInfo:
 
 
 def read_model_info(model_path: str, trust_remote_code: bool = False) -> ModelInfo:
-    from transformers import AutoConfig
+    from rl.models import auto_config
 
-    import rl.models.muse  # noqa: F401 - AutoConfig must know muse_spark before vLLM's plugin loads it
-
-    cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    cfg = auto_config(model_path, trust_remote_code=trust_remote_code)
     text = getattr(cfg, "text_config", None) or cfg
-    experts = next(
-        (
-            getattr(text, k)
-            for k in ("num_experts", "num_local_experts", "n_routed_experts")
-            if getattr(text, k, None)
-        ),
-        0,
-    )
     quant = getattr(cfg, "quantization_config", None) or getattr(text, "quantization_config", None)
     return ModelInfo(
         num_layers=text.num_hidden_layers,
-        num_experts=int(experts or 0),
+        num_experts=num_experts(text.to_dict()),
         top_k=int(getattr(text, "num_experts_per_tok", 0) or 0),
-        quantization=_quantization_kind(quant),
+        quantization=quantization_kind(quant),
     )
-
-
-def _quantization_kind(quant: dict | None) -> str | None:
-    if not quant:
-        return None
-    quant = quant if isinstance(quant, dict) else quant.to_dict()
-    formats = [quant.get("format")] + [g.get("format") for g in (quant.get("config_groups") or {}).values()]
-    if any(f and "nvfp4" in str(f) for f in formats):
-        return "nvfp4"
-    return quant.get("quant_method", "unknown")
 
 
 def stacked_experts(spec: EngineSpec, info: ModelInfo) -> bool:
@@ -115,7 +94,7 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo) -> dict:
         # a batch of seeded requests larger than the token budget kills the engine. Whole prefills only.
         kw["enable_chunked_prefill"] = False
     if spec.enable_lora:
-        rank = next((r for r in VLLM_LORA_RANKS if r >= spec.max_lora_rank), None)
+        rank = vllm_lora_rank(spec.max_lora_rank)
         if rank is None:
             raise ValueError(f"EngineSpec.max_lora_rank {spec.max_lora_rank} is above vLLM's largest, 512")
         # One adapter at a time: the LRU cache evicts the old one as the new one loads.
@@ -129,8 +108,8 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo) -> dict:
     if spec.enable_sleep_mode:
         kw["enable_sleep_mode"] = True
     backend = spec.moe_backend
-    # NVFP4 experts with LoRA: vLLM's MoE-LoRA path works with Marlin's weight-only FP4 on Hopper
-    # (../shared/gpu/NOTES.md); "auto" may pick a kernel without LoRA support.
+    # NVFP4 experts with LoRA: vLLM's MoE-LoRA path works with Marlin's weight-only FP4 on Hopper;
+    # "auto" may pick a kernel without LoRA support.
     if backend == "auto" and info.is_moe and info.quantization == "nvfp4" and spec.enable_lora:
         backend = "marlin"
     if backend != "auto":

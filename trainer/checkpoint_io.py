@@ -48,11 +48,9 @@ def resolve_base_model(path: str, is_writer: bool, barrier: Callable[[], None]) 
 
 
 def load_base_model(path: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+    from rl.models import auto_causal_lm
 
-    import rl.models.muse  # noqa: F401 - registers Muse Spark with the Auto classes before loading
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return auto_causal_lm().from_pretrained(path, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------------

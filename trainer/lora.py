@@ -17,7 +17,7 @@ from torch import nn
 
 from trainer.lora_experts import use_grouped_expert_lora
 
-if TYPE_CHECKING:  # trainer.spec imports verl (rl.algo); bench/lora_experts.py runs without it
+if TYPE_CHECKING:  # trainer.spec imports verl (rl.algo); this module runs without it
     from trainer.spec import LoraSpec
 
 ADAPTER_NAME = "default"

@@ -2,18 +2,16 @@
 it, then FSDP2 per decoder layer, then the root. Mixed precision is stated once, in `parallelize`.
 
 Compile comes before checkpointing (torchtitan compiles the checkpointed block instead): a compiled layer
-inside an eager checkpoint keeps its fused kernels in both the forward and the recomputation
-(bench/lora_experts.py measured it on the H200: docs/benchmarks.md), and it was measured that way when
-the expert function still broke the graph (a graph break inside a checkpointed region sends the whole
-region back to eager). A decoder layer now traces as one graph (trainer/lora_experts.py).
+inside an eager checkpoint keeps its fused kernels in both the forward and the recomputation, whereas a
+graph break inside a checkpointed region sends the whole region back to eager. A decoder layer traces as
+one graph (trainer/lora_experts.py keeps the expert function free of graph breaks).
 
 Whole-layer checkpointing recomputes every layer's forward, matmuls included. With compiled layers an
 activation memory budget can take its place (torchtitan's "memory_budget" mode): no checkpoint wrapper;
 AOTAutograd's partitioner chooses, in each compiled graph, what to save and what its backward recomputes,
 cheapest recomputation first, within that fraction of the way from keeping only the graph's inputs (0) to
-its default, fastest split (1). (bench/lora_experts.py, Muse-shaped, 16k tokens, H200:
-budget 0.5 ran at 31.4 % MFU in 20.9 GiB; no checkpointing 36.0 % in 45.6 GiB; whole-layer 25.6 % in
-12.9 GiB.) torch reads the budget from a process-global config when
+its default, fastest split (1); docs/benchmarks.md (Trainer) has what each setting costs on the H200.
+torch reads the budget from a process-global config when
 it compiles a graph, lazily at the first call (rl/compat.py), so it is set for the whole process: a trainer
 worker is a process of its own, with one model."""
 

@@ -34,13 +34,12 @@ _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|d
 def build_empty_model(path: str, dtype: torch.dtype) -> nn.Module:
     """The causal LM of `path` with every parameter on the meta device and real buffers (rotary tables)."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    import rl.models.muse  # noqa: F401 - registers Muse Spark with the Auto classes
+    from rl.models import auto_causal_lm, auto_config
 
-    config = AutoConfig.from_pretrained(path)
+    config = auto_config(path)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto_causal_lm().from_config(config, dtype=dtype)
     return model
 
 

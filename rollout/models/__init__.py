@@ -14,8 +14,9 @@ MODELS = {"MuseSparkForCausalLM": "rollout.models.muse:MuseSparkForCausalLM"}
 def register() -> None:
     from vllm import ModelRegistry
 
-    # vLLM reads config.json through transformers' AutoConfig: it must know the model_type.
-    import rl.models.muse  # noqa: F401  (registers MuseSparkConfig with the Auto classes)
+    from rl.models import register_auto_classes
+
+    register_auto_classes()  # vLLM reads config.json through transformers' AutoConfig
 
     supported = set(ModelRegistry.get_supported_archs())
     for arch, target in MODELS.items():

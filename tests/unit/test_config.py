@@ -284,6 +284,35 @@ def test_resources_must_hold_the_workers(tmp_path):
     )
 
 
+def test_engine_args_reach_vllm_over_the_settings_sparkrl_makes(tmp_path):
+    from rollout.spec import engine_spec_from_config
+    from rollout.worker import ModelInfo, engine_kwargs
+
+    cfg = load_config(
+        recipe(tmp_path),
+        ["rollout.engine_args={compilation_config: {cudagraph_mode: FULL_DECODE_ONLY}, max_num_seqs: 7}"],
+    )
+    spec = engine_spec_from_config(cfg, "/m")
+    assert spec.extra_engine_args == {
+        "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"},
+        "max_num_seqs": 7,
+    }
+    kw = engine_kwargs(spec, ModelInfo(num_layers=2, num_experts=0, top_k=0, quantization=None))
+    assert kw["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert kw["max_num_seqs"] == 7  # over rollout.max_num_seqs
+    assert engine_spec_from_config(load_config(recipe(tmp_path)), "/m").extra_engine_args == {}
+
+
+def test_choices_are_the_registries_names(tmp_path):
+    from rl import algo
+
+    assert set(algo.ADV_ESTIMATORS) == {"grpo", "drgrpo", "rloo"}
+    for name in algo.POLICY_LOSSES:
+        assert load_config(recipe(tmp_path), [f"algorithm.policy_loss={name}"]).algorithm.policy_loss == name
+    msg = error(recipe(tmp_path), ["algorithm.adv_estimator=grpp"])
+    assert "expected one of 'grpo', 'drgrpo', 'rloo', got 'grpp' (did you mean 'grpo'?)" in msg
+
+
 def test_expert_layout_reaches_the_engine_and_needs_every_expert_projection(tmp_path):
     from rollout.spec import engine_spec_from_config
 

@@ -215,8 +215,6 @@ def test_dense_config_and_vllm_ranks():
     assert (s.num_dense_layers, s.head_dim, s.num_kv_heads) == (2, 16, 2)
     assert s.params["dense_mlp"] == 2 * 3 * 32 * 48 and s.params["embeddings"] == 10 * 32
     assert [P.vllm_lora_rank(r) for r in (1, 2, 8, 9, 32, 33, 300)] == [1, 8, 8, 16, 32, 64, 320]
-    worker = pytest.importorskip("rollout.worker")
-    assert P.VLLM_LORA_RANKS == worker.VLLM_LORA_RANKS
 
 
 def test_unknown_model_error_names_the_path(small_cfg):

@@ -17,7 +17,6 @@ from rollout.worker import (
     ModelInfo,
     NonFiniteLogprobsError,
     RoutedExpertsError,
-    _quantization_kind,
     check_finite_logprobs,
     check_routed_experts,
     engine_kwargs,
@@ -156,14 +155,16 @@ def test_marlin_is_pinned_for_nvfp4_experts_with_lora():
 
 
 def test_quantization_is_read_from_the_checkpoint_config():
+    from rl.model_info import quantization_kind
+
     nvfp4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
     grouped = {
         "quant_method": "compressed-tensors",
         "config_groups": {"group_0": {"format": "nvfp4-pack-quantized", "weights": {"num_bits": 4}}},
     }
-    assert _quantization_kind(nvfp4) == _quantization_kind(grouped) == "nvfp4"
-    assert _quantization_kind({"quant_method": "fp8"}) == "fp8"
-    assert _quantization_kind(None) is None
+    assert quantization_kind(nvfp4) == quantization_kind(grouped) == "nvfp4"
+    assert quantization_kind({"quant_method": "fp8"}) == "fp8"
+    assert quantization_kind(None) is None
 
 
 def test_specs_reject_bad_values_by_name():

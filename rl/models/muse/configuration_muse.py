@@ -1,4 +1,4 @@
-"""`MuseSparkConfig`: the text decoder of Muse Spark Open (see ../shared/design.md, Models).
+"""`MuseSparkConfig`: the text decoder of Muse Spark Open (docs/design.md, Models).
 
 The defaults are the announced model: 62 layers, all MoE, 256 experts working at a latent width of 4096
 under a hidden width of 8192. Widths the announcement does not state are solved from its parameter counts:
