@@ -240,3 +240,40 @@ def packed_bytes(model: torch.nn.Module) -> int:
         if isinstance(local, NVFP4Weight):
             total += local.nbytes_packed()
     return total
+
+
+def _gather_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """All ranks' (equal) dim-0 shards of t, concatenated; moved as bytes (gloo has no float8)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    flat = t.contiguous().view(torch.uint8).reshape(-1)
+    out = flat.new_empty((flat.numel() * world,))
+    dist.all_gather_into_tensor(out, flat, group=group)
+    return out.view(t.dtype).reshape(t.shape[0] * world, *t.shape[1:])
+
+
+@torch.no_grad()
+def gather_frozen(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """Every frozen parameter whole, by state-dict name, on CPU where `keep` (else {}): FSDP's shards
+    gathered; packed ones gathered packed and dequantized to their dtype. Collective: every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    from trainer.sharded_load import unwrapped_name
+
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            continue
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if isinstance(local, NVFP4Weight):
+            group = param.device_mesh.get_group()
+            g = _gather_rows(local.global_scale, group) if local.is_bank else local.global_scale
+            full = dequantize(
+                _gather_rows(local.packed, group), _gather_rows(local.scale, group), g, local.dtype
+            )
+        else:
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        if keep:
+            out[unwrapped_name(name)] = full.cpu() if full.device.type != "cpu" else full.clone()
+    return out

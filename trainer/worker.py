@@ -37,6 +37,7 @@ from rl.compat import hf_checkpoint_state_dict
 from trainer import checkpoint_io, logprobs, lora, sharded_load
 from trainer.batching import MicroBatch, check_lengths, make_micro_batch, pack_micro_batches
 from trainer.nvfp4 import is_nvfp4_checkpoint
+from trainer.nvfp4_tensor import gather_frozen
 from trainer.optim import make_optimizer
 from trainer.parallelize import parallelize
 from trainer.routing_replay import RoutingReplay, moe_routers
@@ -425,15 +426,15 @@ class TrainerWorker:
     def export_merged(self) -> dict[str, torch.Tensor] | None:
         """The base weights with the LoRA update merged, in the model's on-disk Hugging Face names and
         dtype (rank 0; others None). Gathers the whole model on rank 0: for merged sync of small models."""
-        if self.spec.base_format == "nvfp4":
-            raise ValueError(
-                "merged weight sync gathers the base weights, which trainer.base_format=nvfp4 keeps packed: "
-                "sync the adapter, or set trainer.base_format=bf16"
-            )
         layout = lora.lora_layout(self.model)
+        packed = self.spec.base_format == "nvfp4"
+        # A packed base is gathered packed, one weight at a time, and dequantized (trainer/nvfp4_tensor.py).
         full = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.model,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=packed),
         )
+        if packed:
+            full.update(gather_frozen(self.model, self.rank == 0))
         if self.rank != 0:
             return None
         return hf_checkpoint_state_dict(self.hf_model, lora.merge_lora(full, layout))
