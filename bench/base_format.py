@@ -249,7 +249,9 @@ def main(argv=None) -> int:
 
     rows = []
     for name in [m for m in args.models.split(",") if m]:
-        model = build(spec_for(name, args.tiny), root, log=lambda m: print(m, flush=True))
+        # Built (SFT on the GPU) in a process of its own: this one never initialises CUDA before vLLM starts.
+        with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as pool:
+            model = pool.submit(build, spec_for(name, args.tiny), root, print).result()
         model["config"] = json.loads((Path(model["nvfp4"]) / "config.json").read_text())
         samples, served = rollout_samples(model, args, out / "stage")
         print(f"{name}: {len(samples)} rollout samples from the {served} engine (R3)", flush=True)

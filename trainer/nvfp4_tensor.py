@@ -188,6 +188,8 @@ def _view(x: NVFP4Weight, size):
     # all-gather extension it only holds it. The flat alias shares the inner tensors.
     if list(size) in ([-1], [x.numel()]):
         return NVFP4Weight(x.packed, x.scale, x.global_scale, (x.numel(),), x.dtype)
+    if list(size) == list(x.shape):  # DTensor.to_local() with autograd on: an alias
+        return _alias(x)
     raise NotImplementedError(f"NVFP4Weight.view {list(size)}")
 
 
