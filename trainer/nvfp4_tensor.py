@@ -232,18 +232,6 @@ _OPS = {
 }
 
 
-def packed_bytes(model: torch.nn.Module) -> int:
-    """This rank's resident bytes of the model's NVFP4 weights (their local shards)."""
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
-        if isinstance(local, NVFP4Weight):
-            total += local.nbytes_packed()
-    return total
-
-
 def _gather_rows(t: torch.Tensor, group) -> torch.Tensor:
     """All ranks' (equal) dim-0 shards of t, concatenated; moved as bytes (gloo has no float8)."""
     import torch.distributed as dist
