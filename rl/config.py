@@ -199,6 +199,20 @@ class TrainerConfig:
         le=1,
     )
     dtype: str = _f("float32", "Dtype of the LoRA parameters and optimizer state.", ("float32", "bfloat16"))
+    base_format: str = _f(
+        "auto",
+        "How the trainer holds the frozen base weights that an NVFP4 checkpoint (`model.path`) keeps "
+        "packed: nvfp4 = packed (FP4 codes, FP8 block scales), sharded and all-gathered so, dequantized "
+        "one layer at a time; bf16 = the checkpoint's dequantized twin; auto = nvfp4 for an NVFP4 "
+        "checkpoint, else bf16.",
+        ("auto", "bf16", "nvfp4"),
+    )
+    logits_chunk_tokens: int = _f(
+        1024,
+        "Tokens per LM-head call when computing log-probs and entropy (recomputed in backward): the "
+        "[tokens, vocab] fp32 logits never exist whole (0 = one call for the whole micro-batch).",
+        ge=0,
+    )
     checkpoint_every: int = _f(50, "Save a checkpoint every N steps (0 = only at the end).", ge=0)
     keep_checkpoints: int = _f(3, "Most recent checkpoints kept (0 = keep all).", ge=0)
     max_skipped_steps: int = _f(

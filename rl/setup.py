@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl.config import SparkConfig
+from rl.config import ConfigError, SparkConfig
 from rl.data.loader import Prompt, tokenize_prompts
 from rl.placement import create_placement, placement_group_name
 
@@ -175,6 +175,24 @@ def sampling_spec(cfg: SparkConfig, seed: int, eval: bool = False):
     )
 
 
+def base_format(setting: str, model_path: str) -> str:
+    """trainer.base_format resolved against the checkpoint at model_path ("auto": nvfp4 for an NVFP4
+    compressed-tensors checkpoint, else bf16); nvfp4 on any other checkpoint is an error."""
+    from trainer.nvfp4 import FORMAT, is_nvfp4_checkpoint
+
+    packed = os.path.isdir(model_path) and is_nvfp4_checkpoint(model_path)
+    if setting == "auto":
+        return "nvfp4" if packed else "bf16"
+    if setting == "nvfp4" and not packed:
+        raise ConfigError(
+            [
+                f"trainer.base_format=nvfp4: model.path {model_path!r} is not a compressed-tensors "
+                f"{FORMAT!r} checkpoint directory (set trainer.base_format=bf16 or auto)"
+            ]
+        )
+    return setting
+
+
 def trainer_spec(cfg: SparkConfig, model_path: str):
     from rl.algo import AlgoConfig
     from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
@@ -225,6 +243,8 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
         activation_checkpointing=t.activation_checkpointing,
         compile=t.compile,
         activation_memory_budget=t.activation_memory_budget,
+        logits_chunk_tokens=t.logits_chunk_tokens,
+        base_format=base_format(t.base_format, model_path),
         seed=cfg.run.seed,
     )
 

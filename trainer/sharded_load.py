@@ -9,6 +9,10 @@ FSDP2 shards every parameter on dim 0 (torch.chunk's split: ceil(N / world) rows
 may get fewer or none). Fused MoE experts (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]
 in transformers 5) are stored per expert on disk; dim 0 is the expert, so a rank reads only its experts'
 `gate_proj`/`up_proj`/`down_proj` and fuses them as transformers' own conversion does (gate then up).
+
+With `trainer.base_format=nvfp4` the weights an NVFP4 checkpoint holds packed stay packed
+(`pack_frozen_weights` makes them trainer/nvfp4_tensor.py's `NVFP4Weight` before FSDP shards them): a rank
+reads its rows of `weight_packed`, `weight_scale` and `weight_global_scale`, fused the same way.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from trainer.lora import base_name
+from trainer.nvfp4_tensor import NVFP4Weight
 
 # The segment activation checkpointing's wrapper adds to parameter names.
 _CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.down_proj\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.down_proj\.weight(_packed)?$")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)$")
+_PACKED_KEYS = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
 def build_empty_model(path: str, dtype: torch.dtype) -> nn.Module:
@@ -124,6 +130,65 @@ class CheckpointRows:
             f"(and no per-expert tensors to fuse it from)"
         )
 
+    def _packed_source(self, name: str) -> tuple[str, str] | None:
+        """(module prefix of the packed triple, fused-expert param or '') for a model parameter name that
+        the checkpoint holds in NVFP4; None for one it holds unquantized."""
+        if name.endswith(".weight") and f"{name[: -len('.weight')]}.weight_packed" in self.weight_map:
+            return name[: -len(".weight")], ""
+        m = _FUSED_EXPERTS.match(name)
+        if m and f"{m['prefix']}.0.down_proj.weight_packed" in self.weight_map:
+            return m["prefix"], m["param"]
+        return None
+
+    def is_packed(self, name: str) -> bool:
+        return self._packed_source(name) is not None
+
+    def packed_shape(self, name: str) -> tuple[int, ...]:
+        """The dequantized shape of a parameter the checkpoint holds packed."""
+        module, param = self._packed_source(name)
+        if not param:
+            rows, half = self._slice(f"{module}.weight_packed").get_shape()
+            return (rows, 2 * half)
+        n = self._experts[module]
+        if param == "down_proj":
+            rows, half = self._slice(f"{module}.0.down_proj.weight_packed").get_shape()
+            return (n, rows, 2 * half)
+        rows, half = self._slice(f"{module}.0.gate_proj.weight_packed").get_shape()
+        return (n, 2 * rows, 2 * half)
+
+    def packed_rows(self, name: str, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Rows [start, stop) on dim 0 (experts for a fused bank) of the packed triple of parameter `name`:
+        {"packed", "scale", "global_scale"}; a bank's global scale is one an expert (its gate and up
+        projections share it: one fused group, trainer/nvfp4.py)."""
+        module, param = self._packed_source(name)
+        if not param:
+            out = {
+                "packed": self._slice(f"{module}.weight_packed")[start:stop],
+                "scale": self._slice(f"{module}.weight_scale")[start:stop],
+                "global_scale": self._slice(f"{module}.weight_global_scale")[:],
+            }
+        else:
+            parts = ("down_proj",) if param == "down_proj" else ("gate_proj", "up_proj")
+            packed, scale, global_scale = [], [], []
+            for e in range(start, stop):
+                triple = [{k: self._slice(f"{module}.{e}.{p}.{k}")[:] for k in _PACKED_KEYS} for p in parts]
+                scales = [t["weight_global_scale"] for t in triple]
+                if any(not torch.equal(scales[0], g) for g in scales[1:]):
+                    raise ValueError(
+                        f"{self.path}: {module}.{e}: gate_proj and up_proj have different "
+                        "weight_global_scale; one fused weight needs one (requantize with sparkrl quantize)"
+                    )
+                packed.append(torch.cat([t["weight_packed"] for t in triple]))
+                scale.append(torch.cat([t["weight_scale"] for t in triple]))
+                global_scale.append(scales[0].reshape(1))
+            out = {
+                "packed": torch.stack(packed),
+                "scale": torch.stack(scale),
+                "global_scale": torch.cat(global_scale),
+            }
+        self.bytes_read += sum(t.numel() * t.element_size() for t in out.values())
+        return out
+
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) on dim 0 of the model's tensor `name` (a transformers parameter name)."""
         out = self._rows(name, start, stop)
@@ -158,6 +223,38 @@ class CheckpointRows:
         return torch.stack(experts)
 
 
+def pack_frozen_weights(model: nn.Module, path: str | Path, world_size: int) -> list[str]:
+    """Replaces every (meta, frozen) parameter that the NVFP4 checkpoint at `path` holds packed by an
+    `NVFP4Weight` of the same shape and dtype, before FSDP shards it; returns their checkpoint names.
+    FSDP's all-gather extension takes even shards only: a row count world_size does not divide fails here."""
+    names = []
+    with CheckpointRows(path) as ckpt:
+        index = {id(m): n for n, m in model.named_modules()}
+        for module in list(model.modules()):
+            for pname, p in list(module.named_parameters(recurse=False)):
+                full = f"{index[id(module)]}.{pname}".lstrip(".")
+                source = checkpoint_name(full)
+                if not ckpt.is_packed(source):
+                    continue
+                if p.requires_grad:
+                    raise ValueError(f"{full}: a trainable parameter cannot stay packed in NVFP4")
+                have, want = ckpt.packed_shape(source), tuple(p.shape)
+                if have != want:
+                    raise ValueError(
+                        f"{path}: {source} has shape {list(have)}, the model expects {list(want)}"
+                    )
+                if p.shape[0] % world_size:
+                    raise ValueError(
+                        f"trainer.base_format=nvfp4: {source} has {p.shape[0]} rows on dim 0, which "
+                        f"{world_size} trainer ranks do not divide evenly (FSDP's all-gather extension "
+                        "needs even shards); use trainer.base_format=bf16 or a rank count that divides it"
+                    )
+                packed = NVFP4Weight.empty(tuple(p.shape), p.dtype, p.device)
+                module._parameters[pname] = nn.Parameter(packed, requires_grad=False)
+                names.append(source)
+    return names
+
+
 def _local_rows(param: torch.Tensor) -> tuple[int, int]:
     """[start, stop) of the global dim-0 rows this rank holds of an FSDP2 (Shard(0)) parameter."""
     if not isinstance(param, DTensor):
@@ -184,6 +281,13 @@ def materialize(
             local = param.to_local() if isinstance(param, DTensor) else param
             start, stop = _local_rows(param)
             held = kept.get(unwrapped_name(name))
+            if isinstance(local, NVFP4Weight):
+                if local.shape[0] != stop - start:
+                    raise RuntimeError(f"{name}: local shard {tuple(local.shape)}, rows {start}:{stop}")
+                triple = ckpt.packed_rows(checkpoint_name(name), start, stop)
+                for key, t in triple.items():
+                    getattr(local, key).copy_(t)
+                continue
             if held is not None:
                 value = held[start:stop] if param.dim() else held
             else:
@@ -209,3 +313,22 @@ def materialize(
             else:
                 raise RuntimeError(f"buffer {name}: not in {path} and no value held aside")
         return ckpt.bytes_read
+
+
+def frozen_base_bytes(model: nn.Module, nvfp4_path: str | Path) -> int:
+    """This rank's resident bytes of the parameters that the checkpoint at `nvfp4_path` holds in NVFP4:
+    their packed shards (`NVFP4Weight`), or their dequantized shards when the trainer holds the twin.
+    0 when `nvfp4_path` is not an NVFP4 checkpoint."""
+    from trainer.nvfp4 import is_nvfp4_checkpoint
+
+    if not is_nvfp4_checkpoint(nvfp4_path):
+        return 0
+    total = 0
+    with CheckpointRows(nvfp4_path) as ckpt:
+        for name, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if isinstance(local, NVFP4Weight):
+                total += local.nbytes_packed()
+            elif ckpt.is_packed(checkpoint_name(name)):
+                total += local.numel() * local.element_size()
+    return total

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from rl.algo import AlgoConfig
 
 DTYPES = ("bfloat16", "float32")
+BASE_FORMATS = ("bf16", "nvfp4")
 SCHEDULES = ("constant", "cosine")
 
 
@@ -54,11 +55,23 @@ class TrainerSpec:
     compile: bool = False  # torch.compile each decoder layer (CUDA only: the worker ignores it on CPU)
     # > 0 with compile: the partitioner recomputes within this budget instead of whole-layer checkpointing
     activation_memory_budget: float = 0.0
+    # LM-head rows per chunk when computing log-probs and entropy (trainer/logprobs.py); 0 = all at once
+    logits_chunk_tokens: int = 1024
+    # how the frozen base weights that an NVFP4 checkpoint holds packed live in the trainer
+    # (trainer/nvfp4_tensor.py): nvfp4 = packed, dequantized per layer after FSDP's all-gather;
+    # bf16 = the checkpoint's dequantized twin
+    base_format: str = "bf16"
     seed: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainerSpec.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.base_format not in BASE_FORMATS:
+            raise ValueError(
+                f"TrainerSpec.base_format must be one of {BASE_FORMATS}, got {self.base_format!r}"
+            )
+        if self.logits_chunk_tokens < 0:
+            raise ValueError(f"TrainerSpec.logits_chunk_tokens must be >= 0, got {self.logits_chunk_tokens}")
         if self.optim.schedule not in SCHEDULES:
             raise ValueError(
                 f"TrainerSpec.optim.schedule must be one of {SCHEDULES}, got {self.optim.schedule!r}"

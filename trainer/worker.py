@@ -35,8 +35,10 @@ from rl.adapter_files import read_peft_dir
 from rl.batch import Sample
 from rl.compat import hf_checkpoint_state_dict
 from rl.worker_logs import capture
-from trainer import checkpoint_io, lora, sharded_load
+from trainer import checkpoint_io, logprobs, lora, sharded_load
 from trainer.batching import MicroBatch, check_lengths, make_micro_batch, pack_micro_batches
+from trainer.nvfp4 import is_nvfp4_checkpoint
+from trainer.nvfp4_tensor import gather_frozen
 from trainer.optim import make_optimizer
 from trainer.parallelize import parallelize
 from trainer.routing_replay import RoutingReplay, moe_routers
@@ -79,7 +81,15 @@ class TrainerWorker:
         np.random.seed(spec.seed)
         torch.manual_seed(spec.seed)
 
-        path = checkpoint_io.resolve_base_model(spec.model_path, rank == 0, dist.barrier)
+        packed = spec.base_format == "nvfp4"
+        if packed and not is_nvfp4_checkpoint(spec.model_path):
+            raise ValueError(f"base_format nvfp4: {spec.model_path} is not an NVFP4 checkpoint directory")
+        # nvfp4: the packed checkpoint itself; bf16: its dequantized twin (or a plain checkpoint as it is)
+        path = (
+            spec.model_path
+            if packed
+            else checkpoint_io.resolve_base_model(spec.model_path, rank == 0, dist.barrier)
+        )
         dtype = getattr(torch, spec.dtype)
         # The model is built, LoRA-wrapped and sharded on the meta device; each rank then reads only its
         # own rows of the base weights (trainer/sharded_load.py): host memory per rank ~ its shard.
@@ -87,8 +97,11 @@ class TrainerWorker:
         self.hf_model = base  # the causal LM inside the PEFT wrapper: FSDP root
         self.model = lora.apply_lora(base, spec.lora, spec.seed, spec.lora.init_lora_weights)
         self.replay = RoutingReplay(base) if moe_routers(base) else None
+        self.final_hidden = logprobs.FinalHidden(base.model)  # the LM head runs in chunks on it
         self.pad_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0
         kept = sharded_load.hold_aside(self.model)
+        if packed:
+            sharded_load.pack_frozen_weights(self.model, path, world_size)
         parallelize(
             base,
             base.model.layers,
@@ -99,6 +112,9 @@ class TrainerWorker:
             activation_memory_budget=spec.activation_memory_budget,
         )
         sharded_load.materialize(self.model, path, self.device, kept)
+        # trainer/base_bytes: this rank's resident bytes of the weights the checkpoint holds in NVFP4
+        self.base_bytes = sharded_load.frozen_base_bytes(self.model, spec.model_path)
+        self._base_bytes_reported = False
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, spec.optim)
         self.step = 0
@@ -160,19 +176,21 @@ class TrainerWorker:
 
     def _forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> log-probs of the targets [B, W] fp32 (with grad when enabled), entropy [B, W] or None."""
-        out = self.model(
-            input_ids=mb.input_ids.to(self.device),
-            attention_mask=mb.attention_mask.to(self.device),
-            logits_to_keep=mb.window,
-            use_cache=False,
+        with self.final_hidden.taken():
+            self.model(
+                input_ids=mb.input_ids.to(self.device),
+                attention_mask=mb.attention_mask.to(self.device),
+                logits_to_keep=logprobs.NO_LOGITS.to(self.device),
+                use_cache=False,
+            )
+            hidden = self.final_hidden.value[:, -mb.window :]
+        return logprobs.head_logprobs(
+            self.hf_model.get_output_embeddings(),
+            hidden,
+            mb.targets.to(self.device),
+            self.spec.logits_chunk_tokens,
+            with_entropy,
         )
-        logits = out.logits.float()
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, mb.targets.to(self.device)[..., None]).squeeze(-1)
-        entropy = None
-        if with_entropy:
-            with torch.no_grad():
-                entropy = algo.token_entropy(logits.detach())
-        return logp, entropy
 
     def _replay_fraction(self, mbs) -> float:
         rows = sum(mb.replayed_rows for mb, _, dummy in mbs if not dummy)
@@ -210,6 +228,9 @@ class TrainerWorker:
             "r3/replayed_fraction": self._replay_fraction(mbs),
             "actor/entropy": ent_sum / ent_n if ent_n else 0.0,
         }
+        if not self._base_bytes_reported:  # once per run: the first log-probs of the first step
+            metrics["trainer/base_bytes"] = float(self.base_bytes)
+            self._base_bytes_reported = True
         return result, metrics
 
     def _correction_on(self) -> bool:
@@ -408,9 +429,14 @@ class TrainerWorker:
         """The base weights with the LoRA update merged, in the model's on-disk Hugging Face names and
         dtype (rank 0; others None). Gathers the whole model on rank 0: for merged sync of small models."""
         layout = lora.lora_layout(self.model)
+        packed = self.spec.base_format == "nvfp4"
+        # A packed base is gathered packed, one weight at a time, and dequantized (trainer/nvfp4_tensor.py).
         full = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.model,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=packed),
         )
+        if packed:
+            full.update(gather_frozen(self.model, self.rank == 0))
         if self.rank != 0:
             return None
         return hf_checkpoint_state_dict(self.hf_model, lora.merge_lora(full, layout))
