@@ -127,10 +127,10 @@ def _muse_aware_pool() -> None:
 
 
 class MuseAwareRolloutWorker(RolloutWorker):
-    def __init__(self, spec, stage_root):
+    def __init__(self, spec, stage_root, bundles=None):
         import rl.models.muse  # noqa: F401 - registers MuseSparkConfig with AutoConfig
 
-        super().__init__(spec, stage_root)
+        super().__init__(spec, stage_root, bundles)
 
 
 def _engine_graphs(graphs: str) -> None:

@@ -176,6 +176,20 @@ class TrainerConfig:
         le=1,
     )
     dtype: str = _f("float32", "Dtype of the LoRA parameters and optimizer state.", ("float32", "bfloat16"))
+    base_format: str = _f(
+        "auto",
+        "How the trainer holds the frozen base: bf16 (dequantized to `model.dtype` on load, sharded) or "
+        "nvfp4 (kept packed as stored, sharded, all-gathered packed and dequantized one layer at a time); "
+        "auto = nvfp4 when `model.path` is an NVFP4 checkpoint, else bf16.",
+        ("auto", "bf16", "nvfp4"),
+    )
+    logits_chunk_tokens: int = _f(
+        4096,
+        "Tokens per chunk of the LM head when the trainer takes log-probs and entropy (recomputed in "
+        "backward), so the [tokens, vocab] fp32 logits of a whole micro-batch never exist at once; "
+        "0 = the whole micro-batch in one chunk.",
+        ge=0,
+    )
     checkpoint_every: int = _f(50, "Save a checkpoint every N steps (0 = only at the end).", ge=0)
     keep_checkpoints: int = _f(3, "Most recent checkpoints kept (0 = keep all).", ge=0)
     max_skipped_steps: int = _f(
@@ -375,6 +389,9 @@ class ResourcesConfig:
     num_gpus: int = _f(0, "GPUs the run uses in all (0 = CPU only).", ge=0)
     gpus_per_node: int = _f(8, "GPUs per node.", ge=1)
     nodes: int = _f(1, "Nodes.", ge=1)
+    gpu_memory_gib: float = _f(
+        140.0, "Memory of one GPU in GiB, what `sparkrl plan` fits the recipe into (140: an H200).", gt=0
+    )
     ray_address: str = _f("", "Ray cluster to join ('' = start a local one, 'auto' = the running one).")
 
 

@@ -207,6 +207,7 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
         placement_group=place.placement_group,
         bundle_indices=place.rollout_bundles,
         actor_options=place.rollout_options,
+        gpus_per_rank=place.rollout_gpus_per_rank,
     )
     spec = trainer_spec(cfg, model_path)
     trainer = TrainerGroup(
