@@ -120,7 +120,8 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | No
         # The actor holds the engine's GPUs: TP ranks as its child processes. Left to itself, vLLM picks
         # its Ray executor inside any placement group, which refuses bundles of more than one GPU.
         kw["distributed_executor_backend"] = "mp"
-    if not torch.cuda.is_available():
+    # An engine given bundles runs on GPUs by construction (rl.placement); its own actor holds none.
+    if bundles is None and not torch.cuda.is_available():
         # vLLM's CPU runner rewinds a seeded request's generator after a partial (chunked) prefill with
         # Generator.set_offset, which CPU generators do not have ("CPU Generator does not use offset"):
         # a batch of seeded requests larger than the token budget kills the engine. Whole prefills only.
@@ -261,7 +262,11 @@ class RolloutWorker:
         self.spec = spec
         self.bundles = bundles
         self.info = read_model_info(spec.model_path, spec.trust_remote_code)
-        if spec.enable_sleep_mode and not _has_cuda():
+        if bundles is not None and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+            # Ray blanks it in an actor holding no GPU where RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1; the engine
+            # core must see the node's GPUs to drive the TP workers that hold them.
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        if spec.enable_sleep_mode and bundles is None and not _has_cuda():
             raise ValueError("EngineSpec.enable_sleep_mode needs a GPU (vLLM's sleep mode is CUDA/ROCm only)")
         if spec.cpu_kvcache_gb:
             # Read by vLLM's CPU backend in the engine process, which inherits this environment.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from rl.compat import vllm_ray_executor_env
 from rl.config import load_config
@@ -108,6 +109,11 @@ def test_engine_arguments_follow_where_the_ranks_run():
     spec = EngineSpec(model_path="m", tensor_parallel_size=2)
     ray_kw = engine_kwargs(spec, MOE, EngineBundles([4, 5], 0.5))
     assert ray_kw["distributed_executor_backend"] == "ray" and ray_kw["tensor_parallel_size"] == 2
+    # Bundles mean GPUs (rl.placement makes them for GPU runs only): not the CPU runner's whole-prefill
+    # setting, though the engine's own actor, holding no GPU, may see none (this machine has none at all).
+    assert "enable_chunked_prefill" not in ray_kw
+    if not torch.cuda.is_available():
+        assert engine_kwargs(spec, MOE)["enable_chunked_prefill"] is False
     # split placement: the actor holds both GPUs; vLLM would pick its Ray executor inside a placement group
     assert engine_kwargs(spec, MOE)["distributed_executor_backend"] == "mp"
     assert "distributed_executor_backend" not in engine_kwargs(EngineSpec(model_path="m"), MOE)
