@@ -14,6 +14,7 @@ share of its bundle as TrainerGroup asks for it. Ports are Ray's random ones, th
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -47,8 +48,9 @@ def cluster(monkeypatch):
     """Start a cluster of `nodes` x (8 GPUs, 16 CPUs: two a bundle) and connect to it."""
     clusters = []
     # Ray writes the cluster's address under its temp dir for `ray.init("auto")`: keep it to this test.
-    tmp = tempfile.mkdtemp(prefix="sprk-", dir="/tmp")
+    tmp = tempfile.mkdtemp(prefix="sprk-", dir="/tmp")  # short: Ray's socket paths live under it
     monkeypatch.setenv("RAY_TMPDIR", tmp)
+    os.makedirs(os.path.join(tmp, "ray"))
 
     def start(nodes: int) -> Cluster:
         node = {
@@ -56,7 +58,7 @@ def cluster(monkeypatch):
             "num_gpus": 8,
             "include_dashboard": False,
             "dashboard_agent_listen_port": None,  # Ray's default is a fixed port; None: a random one
-            "temp_dir": tmp,
+            "temp_dir": os.path.join(tmp, "ray"),
         }
         c = Cluster(initialize_head=True, head_node_args={**node, "gcs_server_port": _free_port()})
         for _ in range(nodes - 1):
@@ -70,6 +72,7 @@ def cluster(monkeypatch):
     ray.shutdown()
     for c in clusters:
         c.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 class EngineStandIn:
