@@ -36,3 +36,21 @@ def set_activation_memory_budget(budget: float) -> float:
     previous = functorch_config.activation_memory_budget
     functorch_config.activation_memory_budget = float(budget)
     return previous
+
+
+def vllm_ray_executor_env(
+    bundle_indices: list[int], gpus_per_rank: float, ray_address: str
+) -> dict[str, str]:
+    """The environment with which `vllm.LLM(distributed_executor_backend="ray")`, built inside a Ray actor
+    scheduled in a placement group (capturing child tasks), puts its TP workers in the given bundles of that
+    group, each holding `gpus_per_rank` of its bundle's GPU. vLLM 0.30 reads both variables in its default
+    Ray executor (`ray_executor_v2.RayExecutorV2`) and in the one VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0 picks
+    (`ray_executor.RayDistributedExecutor`, the V1 engine's Ray executor before it). The engine core runs in
+    a process of its own, which joins the cluster at RAY_ADDRESS (a Ray actor's environment need not name
+    it) and takes the placement group from the engine config, which vLLM fills from the actor's
+    `ray.util.get_current_placement_group()`."""
+    return {
+        "VLLM_RAY_BUNDLE_INDICES": ",".join(str(b) for b in bundle_indices),
+        "VLLM_RAY_PER_WORKER_GPUS": f"{gpus_per_rank:g}",
+        "RAY_ADDRESS": ray_address,
+    }

@@ -416,6 +416,9 @@ class ResourcesConfig:
     num_gpus: int = _f(0, "GPUs the run uses in all (0 = CPU only).", ge=0)
     gpus_per_node: int = _f(8, "GPUs per node.", ge=1)
     nodes: int = _f(1, "Nodes.", ge=1)
+    gpu_memory_gib: float = _f(
+        140.0, "Memory of one GPU in GiB, what `sparkrl plan` fits the recipe into (140: an H200).", gt=0
+    )
     ray_address: str = _f(
         "",
         "Ray cluster to join ('' = `$RAY_ADDRESS`, else start a local instance of this run's own; "

@@ -16,15 +16,22 @@ The model (figures per GPU; GiB = 2**30 bytes):
   (o, down, unpooler); activations of a 16,384-token batch; 1 GiB runtime (+1 GiB of CUDA graphs). The
   KV cache gets what is left of gpu_memory_utilization x GPU: 2 x KV heads on the GPU x head_dim x dtype
   bytes a token a layer, with sliding-window layers holding min(context, window) tokens.
-- Trainer (FSDP2 over trainer.num_ranks): base weights in model.dtype sharded over the ranks; LoRA
+- Trainer (FSDP2 over trainer.num_ranks): the frozen base sharded over the ranks, as trainer.base_format
+  holds it: bf16, every weight in model.dtype; nvfp4, what the checkpoint stores in NVFP4 (the Linear
+  layers: ~4.5 bits a weight) kept packed and the rest (router, norms, embeddings) in model.dtype. LoRA
   parameters, gradients and AdamW moments in trainer.dtype, sharded (experts as the trainer holds them:
-  gate_up fused, one A for both); two decoder layers gathered at once (the one computing and the next,
-  prefetched) plus the embeddings and output; activations of one micro-batch (each layer's input kept under
-  activation checkpointing; with trainer.activation_memory_budget B on compiled GPU layers, the compiled
-  graphs' inputs plus B of the rest that no checkpointing would keep; one layer's working set, the response
-  logits in bf16 plus their fp32 copy and log-softmax); 1 GiB runtime.
-- Colocated placement: the trainer's sharded state stays resident while vLLM runs within its fraction of
-  the GPU; vLLM sleeps (weights to host, KV dropped) while the trainer runs, keeping its runtime.
+  gate_up fused, one A for both). Gathered: two decoder layers at once (the one computing and the next,
+  prefetched) plus the embeddings and output; with the nvfp4 base the two layers arrive packed and the
+  computing one is dequantized into a model.dtype buffer of its own. Activations of one micro-batch (each
+  layer's input kept under activation checkpointing; with trainer.activation_memory_budget B on compiled GPU
+  layers, the compiled graphs' inputs plus B of the rest that no checkpointing would keep; one layer's
+  working set; the LM head's logits of one trainer.logits_chunk_tokens chunk in model.dtype plus their fp32
+  copy and log-softmax, recomputed in backward); 1 GiB runtime.
+- Placement (rl.placement, the same rules the run reserves its GPUs by): split, each engine on TP GPUs of
+  its own; colocated, each GPU holds one trainer rank and one TP rank of an engine, the TP ranks of an
+  engine on one node. The trainer's sharded state stays resident while vLLM runs within its fraction of
+  the GPU; vLLM sleeps (weights to host, KV dropped, on every TP rank) while the trainer runs, keeping its
+  runtime.
 """
 
 from __future__ import annotations
@@ -39,13 +46,13 @@ from rl import model_info
 from rl.model_info import quantization_kind
 
 GiB = 2**30
-H200_GIB = 140.0  # nvidia-smi: 143,771 MiB
 NVFP4_BYTES = 0.5 + 1 / 16  # FP4 values plus one FP8 scale per 16 (the per-tensor global scale is negligible)
 VLLM_BATCHED_TOKENS = 16384  # vLLM's max_num_batched_tokens for the LLM class on a large GPU
 RUNTIME_BYTES = 1 * GiB  # CUDA context, allocator slack, NCCL buffers: per process on a GPU
 CUDA_GRAPH_BYTES = 1 * GiB
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 LONG_CONTEXT = 1_048_576  # shown beside the recipe's context for models with sliding-window layers
+DEFAULT_LOGITS_CHUNK = 4096  # trainer.logits_chunk_tokens' default, what the hint suggests
 QUANTIZED_GROUPS = ("attention", "experts", "latent", "shared_experts", "dense_mlp")  # Linear layers
 
 
@@ -118,6 +125,16 @@ class ModelShape:
         moe = moe / self.moe_layers if self.moe_layers else 0
         dense = p.get("dense_mlp", 0) / self.num_dense_layers if self.num_dense_layers else 0
         return shared + max(moe, dense)
+
+    def largest_layer_quantized_params(self) -> float:
+        """Of largest_layer_params, those an NVFP4 checkpoint stores in NVFP4 (QUANTIZED_GROUPS)."""
+        p, L = self.params, self.num_layers
+        shared = p.get("attention", 0) / L
+        moe = sum(p.get(k, 0) for k in ("experts", "latent", "shared_experts"))
+        moe = moe / self.moe_layers if self.moe_layers else 0
+        dense = p.get("dense_mlp", 0) / self.num_dense_layers if self.num_dense_layers else 0
+        full_moe = moe + (p.get("router", 0) / self.moe_layers if self.moe_layers else 0)
+        return shared + (moe if full_moe >= dense else dense)
 
     def layer_tokens(self, context: int) -> int:
         """KV entries one sequence of `context` tokens holds, summed over the layers."""
@@ -301,20 +318,44 @@ def model_shape(cfg) -> ModelShape:
     )
 
 
-def rollout_format(cfg, shape: ModelShape) -> tuple[str, str]:
-    """(format, why): 'nvfp4' or the model dtype, for the weights vLLM loads."""
-    path = cfg.model.rollout_path or cfg.model.path
+def _stored_format(cfg, path: str, shape: ModelShape | None) -> tuple[str, str]:
+    """(format, why): 'nvfp4' (or another quant_method) or the model dtype, for the checkpoint at `path`;
+    `shape`: the model facts to fall back on when `path` has no local config.json."""
     found = _local_config(path) if path else None
     if found is not None:
         kind = quantization_kind(json.loads(found.read_text()).get("quantization_config"))
         if kind is not None:
             return kind, f"quantization_config in {found}"
         return cfg.model.dtype, f"{found} has no quantization_config"
-    if shape.quantization:
+    if shape is not None and shape.quantization:
         return shape.quantization, "quantization_config of the model's config"
     if "nvfp4" in path.lower():
         return "nvfp4", f"'nvfp4' in the name {path!r} (no local config.json)"
     return cfg.model.dtype, "model.dtype (no quantization found)"
+
+
+def rollout_format(cfg, shape: ModelShape) -> tuple[str, str]:
+    """(format, why): 'nvfp4' or the model dtype, for the weights vLLM loads."""
+    return _stored_format(cfg, cfg.model.rollout_path or cfg.model.path, shape)
+
+
+def trainer_base_format(cfg) -> tuple[str, str]:
+    """(format, why): 'nvfp4' or 'bf16' (model.dtype), how the trainer holds the frozen base
+    (trainer.base_format; auto: nvfp4 when model.path is an NVFP4 checkpoint)."""
+    fmt = cfg.trainer.base_format
+    if fmt != "auto":
+        return fmt, f"trainer.base_format={fmt}"
+    # model.path's own config or name: the model facts may be the rollout weights' (make-tiny: model.dtype)
+    kind, why = _stored_format(cfg, cfg.model.path, None)
+    return ("nvfp4" if kind == "nvfp4" else "bf16"), f"trainer.base_format=auto: {why}"
+
+
+def stored_bytes(params: dict[str, float], fmt: str, dtype_bytes: int) -> float:
+    """Bytes of weights stored as `fmt`: NVFP4 for QUANTIZED_GROUPS and `dtype_bytes` for the rest, or
+    `fmt` (a dtype name) throughout."""
+    if fmt == "nvfp4":
+        return sum(v * (NVFP4_BYTES if k in QUANTIZED_GROUPS else dtype_bytes) for k, v in params.items())
+    return sum(params.values()) * DTYPE_BYTES.get(fmt, dtype_bytes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -432,8 +473,16 @@ class Plan:
     lora_params_rollout_gpu: float
     lora_rank: int
     t_logits: float = 0.0
+    base_format: str = "bf16"
+    base_format_why: str = ""
+    base_label: str = ""  # what the trainer holds the base as: "nvfp4, packed" or model.dtype
+    logits_tokens: int = 0  # tokens a chunk of the LM head covers
+    placement_ok: bool = True
+    placement_why: str = ""
     untargeted: list[str] = field(default_factory=list)
     verdicts: list[tuple[str, bool, str]] = field(default_factory=list)
+    # bytes a GPU left over by each memory check (negative: over)
+    headroom: dict[str, float] = field(default_factory=dict)
     suggestions: list[str] = field(default_factory=list)
 
     @property
@@ -456,6 +505,11 @@ class Plan:
     @property
     def fits(self) -> bool:
         return all(ok for _, ok, _ in self.verdicts)
+
+    @property
+    def margin(self) -> float | None:
+        """The least headroom of the memory checks (bytes a GPU); None on CPU."""
+        return min(self.headroom.values()) if self.headroom else None
 
 
 def _kv_bytes_per_token_layer(s: ModelShape, tp: int, dtype_bytes: int) -> int:
@@ -492,6 +546,26 @@ def _budget_floor(s: ModelShape, tokens: int, abytes: int) -> float:
     return tokens * abytes * s.num_layers * s.hidden
 
 
+def logits_tokens(cfg, tokens: int) -> int:
+    """Tokens whose logits exist at once: one trainer.logits_chunk_tokens chunk (0: the whole micro-batch)."""
+    chunk = cfg.trainer.logits_chunk_tokens
+    return min(chunk, tokens) if chunk else tokens
+
+
+def trainer_gathered(s: ModelShape, base_format: str, ranks: int, wbytes: int) -> float:
+    """What FSDP2 holds unsharded at once: two decoder layers (the computing one and the prefetched next)
+    and the embeddings/output. An nvfp4 base all-gathers its NVFP4 weights packed and dequantizes the
+    computing layer's into a model.dtype buffer; one rank gathers nothing but still dequantizes."""
+    layer, packed = s.largest_layer_params(), s.largest_layer_quantized_params()
+    dense = s.params.get("embeddings", 0) * wbytes
+    if base_format != "nvfp4":
+        return 0.0 if ranks == 1 else 2 * layer * wbytes + dense
+    dequantized = packed * wbytes
+    if ranks == 1:
+        return dequantized
+    return 2 * (packed * NVFP4_BYTES + (layer - packed) * wbytes) + dequantized + dense
+
+
 def trainer_activations(cfg, s: ModelShape, tokens: int, abytes: int) -> float:
     work = _layer_working_set(s, tokens, abytes)
     every = (s.num_layers - 1) * work  # all but the computing layer's, which `work` counts
@@ -505,23 +579,21 @@ def trainer_activations(cfg, s: ModelShape, tokens: int, abytes: int) -> float:
         kept = s.num_layers * tokens * s.hidden * abytes  # each layer's input, recomputed in backward
     else:
         kept = every
-    return kept + work + _logits_bytes(tokens, s.vocab, abytes)
+    return kept + work + _logits_bytes(logits_tokens(cfg, tokens), s.vocab, abytes)
 
 
-def make_plan(cfg, gpu_gib: float = H200_GIB) -> Plan:
+def make_plan(cfg, gpu_gib: float | None = None) -> Plan:
+    """The plan of `cfg` on GPUs of `gpu_gib` GiB (default resources.gpu_memory_gib)."""
     s = model_shape(cfg)
     ro, tr, res = cfg.rollout, cfg.trainer, cfg.resources
-    G = gpu_gib * GiB
+    G = (gpu_gib or res.gpu_memory_gib) * GiB
     wbytes = DTYPE_BYTES[cfg.model.dtype]
     fmt, why = rollout_format(cfg, s)
     tp = ro.tensor_parallel_size
 
     # ---- rollout ----
     p = s.params
-    if fmt == "nvfp4":
-        stored = sum(v * (NVFP4_BYTES if k in QUANTIZED_GROUPS else wbytes) for k, v in p.items())
-    else:
-        stored = s.total_params * DTYPE_BYTES.get(fmt, wbytes)
+    stored = stored_bytes(p, fmt, wbytes)
     context = ro.max_model_len or ro.max_prompt_len + max(ro.max_response_len, cfg.eval.max_response_len)
     lora_gpu = rollout_lora_params(cfg, s, tp) if cfg.sync.mode == "adapter" else 0.0
     on_gpu = res.num_gpus > 0
@@ -543,8 +615,9 @@ def make_plan(cfg, gpu_gib: float = H200_GIB) -> Plan:
     ranks = tr.num_ranks
     lora_t = trainer_lora_params(cfg, s)
     state_bytes = 4 * DTYPE_BYTES[tr.dtype]  # parameter, gradient, AdamW m and v
-    gathered = 0.0 if ranks == 1 else (2 * s.largest_layer_params() + p.get("embeddings", 0)) * wbytes
+    base, base_why = trainer_base_format(cfg)
     tokens = tr.micro_batch_tokens or tr.micro_batch_size * (ro.max_prompt_len + ro.max_response_len)
+    placement_ok, placement_why = _placement_verdict(cfg)
 
     plan = Plan(
         shape=s,
@@ -565,9 +638,9 @@ def make_plan(cfg, gpu_gib: float = H200_GIB) -> Plan:
         kv_room=kv_room,
         seqs_wanted=wanted,
         ranks=ranks,
-        t_weights=s.total_params * wbytes / ranks,
+        t_weights=stored_bytes(p, "nvfp4" if base == "nvfp4" else cfg.model.dtype, wbytes) / ranks,
         t_lora_state=lora_t * state_bytes / ranks,
-        t_gathered=gathered,
+        t_gathered=trainer_gathered(s, base, ranks, wbytes),
         t_activations=trainer_activations(cfg, s, tokens, wbytes),
         t_runtime=RUNTIME_BYTES if on_gpu else 0,
         micro_tokens=tokens,
@@ -575,11 +648,39 @@ def make_plan(cfg, gpu_gib: float = H200_GIB) -> Plan:
         lora_params_rollout_gpu=lora_gpu,
         lora_rank=vllm_lora_rank(cfg.lora.rank),
         untargeted=untargeted_modules(cfg, s),
-        t_logits=_logits_bytes(tokens, s.vocab, wbytes),
+        t_logits=_logits_bytes(logits_tokens(cfg, tokens), s.vocab, wbytes),
+        base_format=base,
+        base_format_why=base_why,
+        base_label="nvfp4, packed" if base == "nvfp4" else cfg.model.dtype,
+        logits_tokens=logits_tokens(cfg, tokens),
+        placement_ok=placement_ok,
+        placement_why=placement_why,
     )
     if on_gpu:
         _judge(plan, cfg)
     return plan
+
+
+def _placement_verdict(cfg) -> tuple[bool, str]:
+    """Whether rl.placement lays the recipe out, and how (or why not): the rules the run reserves GPUs by."""
+    from rl.placement import plan_placement
+
+    try:
+        bundles, place = plan_placement(cfg)
+    except ValueError as e:
+        return False, str(e)
+    if not bundles:
+        return True, "CPU run: no placement group"
+    engines = "; ".join(f"engine {i} on bundles {_ranges(b)}" for i, b in enumerate(place.rollout_bundles))
+    if cfg.rollout.placement == "split":
+        how = f"{cfg.trainer.num_ranks} trainer GPUs, then one bundle of {cfg.rollout.tensor_parallel_size} GPUs an engine"
+    else:
+        how = f"{len(bundles)} GPUs, each shared by a trainer rank and an engine's TP rank"
+    return True, f"{len(bundles)} bundles: {how}; {engines}"
+
+
+def _ranges(ids: list[int]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)) else str(ids)
 
 
 def _up(x: float, step: float = 0.01) -> float:
@@ -593,8 +694,10 @@ def _judge(p: Plan, cfg) -> None:
     u_need = p.r_total_min / G
     u_all = (p.r_total_min - p.kv_per_seq + p.seqs_wanted * p.kv_per_seq) / G
     need_ranks: list[tuple[int, str]] = []  # (trainer ranks, why) for each check more ranks would pass
+    p.verdicts.append(("placement", p.placement_ok, p.placement_why))
 
     ok = p.kv_room >= p.kv_per_seq
+    p.headroom["rollout"] = p.kv_room - p.kv_per_seq
     p.verdicts.append(
         (
             "rollout",
@@ -627,6 +730,7 @@ def _judge(p: Plan, cfg) -> None:
     if p.placement == "colocated":
         during_rollout = p.t_resident + p.r_budget
         ok = during_rollout <= G
+        p.headroom["colocated, rollout phase"] = G - during_rollout
         p.verdicts.append(
             (
                 "colocated, rollout phase",
@@ -649,6 +753,7 @@ def _judge(p: Plan, cfg) -> None:
             p.suggestions.append("rollout.placement=split gives the engines GPUs of their own")
         sleeping = RUNTIME_BYTES
         ok = p.t_peak + sleeping <= G
+        p.headroom["colocated, training phase"] = G - p.t_peak - sleeping
         p.verdicts.append(
             (
                 "colocated, training phase",
@@ -659,6 +764,7 @@ def _judge(p: Plan, cfg) -> None:
     else:
         sleeping = 0.0
         ok = p.t_peak <= G
+        p.headroom["trainer"] = G - p.t_peak
         p.verdicts.append(("trainer", ok, f"peak {gib(p.t_peak)} of {gib(G)}"))
     if not ok:
         _training_hints(p, cfg, sleeping, need_ranks)
@@ -676,6 +782,20 @@ def _training_hints(p: Plan, cfg, sleeping: float, need_ranks: list[tuple[int, s
     fixed = p.t_gathered + p.t_activations + p.t_runtime + sleeping  # per GPU whatever the rank count
     if fixed < G:
         need_ranks.append((math.ceil(sharded / (G - fixed)), "for the training phase"))
+    wbytes = DTYPE_BYTES[cfg.model.dtype]
+    if p.base_format != "nvfp4" and _stored_format(cfg, cfg.model.path, None)[0] == "nvfp4":
+        packed = stored_bytes(p.shape.params, "nvfp4", wbytes) / p.ranks
+        gathered = trainer_gathered(p.shape, "nvfp4", p.ranks, wbytes)
+        p.suggestions.append(
+            f"trainer.base_format=nvfp4 keeps model.path's NVFP4 weights packed: base {gib(packed)} instead of "
+            f"{gib(p.t_weights)}, gathered {gib(gathered)} instead of {gib(p.t_gathered)}"
+        )
+    if p.logits_tokens > DEFAULT_LOGITS_CHUNK:
+        chunked = _logits_bytes(DEFAULT_LOGITS_CHUNK, p.shape.vocab, wbytes)
+        p.suggestions.append(
+            f"trainer.logits_chunk_tokens={DEFAULT_LOGITS_CHUNK} cuts the LM head's logits from "
+            f"{gib(p.t_logits)} to {gib(chunked)}"
+        )
     longest = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     per_token = p.t_activations / p.micro_tokens if p.micro_tokens else 0.0
     if tr.micro_batch_tokens and per_token and p.micro_tokens > longest:
@@ -807,17 +927,22 @@ def format_plan(p: Plan, recipe: str = "") -> str:
         )
 
     lines.append(f"trainer per {unit} (FSDP2 over {p.ranks} rank(s); micro-batch {p.micro_tokens:,} tokens)")
-    lines.append(f"  weights      {g(p.t_weights)}   base, sharded")
+    lines.append(f"  weights      {g(p.t_weights)}   base as {p.base_label} ({p.base_format_why}), sharded")
     lines.append(
         f"  LoRA state   {g(p.t_lora_state)}   {_b(p.lora_params_trainer)} LoRA parameters + "
         "gradients + AdamW m, v; sharded"
     )
-    lines.append(
-        f"  gathered     {g(p.t_gathered)}   two decoder layers ({_b(s.largest_layer_params())} "
-        "each) + embeddings/output"
+    what = (
+        "two decoder layers packed, the computing one dequantized"
+        if p.base_format == "nvfp4"
+        else "two decoder layers"
     )
     lines.append(
-        f"  activations  {g(p.t_activations)}   of which the response logits {p.t_logits / GiB:.2f} GiB"
+        f"  gathered     {g(p.t_gathered)}   {what} ({_b(s.largest_layer_params())} each) + embeddings/output"
+    )
+    lines.append(
+        f"  activations  {g(p.t_activations)}   of which the LM head's logits {p.t_logits / GiB:.2f} GiB "
+        f"({p.logits_tokens:,} tokens at once)"
     )
     lines.append(f"  runtime      {g(p.t_runtime)}")
     lines.append(f"  peak         {g(p.t_peak)}")
@@ -828,6 +953,9 @@ def format_plan(p: Plan, recipe: str = "") -> str:
     lines.append("verdict: " + ("FITS" if p.fits else "DOES NOT FIT"))
     for name, ok, why in p.verdicts:
         lines.append(f"  {'ok  ' if ok else 'OVER'} {name}: {why}")
+    margin = p.margin
+    if margin is not None:
+        lines.append(f"  margin: {margin / GiB:.1f} GiB a GPU at the tightest check")
     if p.suggestions:
         lines.append("what to change:")
         lines += [f"  - {x}" for x in p.suggestions]
@@ -838,7 +966,7 @@ def main(args: argparse.Namespace) -> int:
     from rl.config import load_config
 
     cfg = load_config(args.recipe, args.overrides)
-    p = make_plan(cfg, args.gpu_gib)
+    p = make_plan(cfg)
     print(format_plan(p, args.recipe))
     return 0 if p.fits or not p.num_gpus else 1
 
@@ -857,13 +985,8 @@ def register(subparsers) -> argparse.ArgumentParser:
         "overrides",
         nargs="*",
         metavar="key=value",
-        help="config overrides, e.g. rollout.max_model_len=1048576",
-    )
-    p.add_argument(
-        "--gpu-gib",
-        type=float,
-        default=H200_GIB,
-        help=f"memory of one GPU in GiB (default {H200_GIB:g}: an H200)",
+        help="config overrides, e.g. rollout.max_model_len=1048576 or resources.gpu_memory_gib=288 (the GPU's "
+        "memory; default 140, an H200)",
     )
     p.set_defaults(func=main)
     return p

@@ -262,6 +262,7 @@ def build_rollout(cfg: SparkConfig, place, rollout_path: str):
         placement_group=place.placement_group,
         bundle_indices=place.rollout_bundles,
         actor_options=place.rollout_options,
+        gpus_per_rank=place.rollout_gpus_per_rank,
     )
 
 

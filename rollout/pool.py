@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
+from rollout.spec import EngineBundles, EngineSpec, PromptRequest, SamplingSpec
 from rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,9 @@ class RolloutPool:
     `actor_options` go to `ray.remote(...).options()`; by default one CPU, and where the cluster has
     GPUs, `tensor_parallel_size` GPUs a worker (split placement) or half of that (colocated placement,
     sleep mode on: the trainer holds the other half). `placement_group` / `bundle_indices` pin worker i
-    to bundle `bundle_indices[i]` (default i).
+    to its bundles `bundle_indices[i]` (default [i]): one bundle, the worker's actor holding its GPUs; or
+    one bundle a TP rank (rl.placement, colocated TP > 1), the actor in the first, and vLLM's Ray executor
+    placing the ranks, each holding `gpus_per_rank` of its bundle's GPU.
     """
 
     def __init__(
@@ -53,15 +55,19 @@ class RolloutPool:
         num_workers: int,
         stage_dir: str,
         placement_group=None,
-        bundle_indices: list[int] | None = None,
+        bundle_indices: list[list[int]] | None = None,
         actor_options: dict | None = None,
         worker_cls: type = RolloutWorker,
+        gpus_per_rank: float = 0.0,
     ):
         if num_workers < 1:
             raise ValueError(f"RolloutPool: num_workers must be >= 1, got {num_workers}")
         self.spec, self.num_workers, self.stage_dir = spec, num_workers, str(stage_dir)
         self._placement_group = placement_group
-        self._bundles = bundle_indices or list(range(num_workers))
+        self._bundles = bundle_indices or [[i] for i in range(num_workers)]
+        if len(self._bundles) != num_workers:
+            raise ValueError(f"RolloutPool: {len(self._bundles)} bundle lists for {num_workers} workers")
+        self._gpus_per_rank = gpus_per_rank
         self._options = actor_options if actor_options is not None else self._default_options(spec)
         self._remote_cls = ray.remote(worker_cls)
         # What a recreated worker must load to match the others: ("adapter"|"merged", object ref, ...).
@@ -78,15 +84,26 @@ class RolloutPool:
             options["num_gpus"] = spec.tensor_parallel_size * share
         return options
 
+    def engine_bundles(self, i: int) -> EngineBundles | None:
+        """Worker i's TP-rank bundles for vLLM's Ray executor; None when its actor holds its GPUs."""
+        bundles = self._bundles[i]
+        if self._placement_group is None or len(bundles) == 1:
+            return None
+        return EngineBundles(list(bundles), self._gpus_per_rank)
+
     def _create(self, i: int):
         options = dict(self._options)
+        bundles = self.engine_bundles(i)
         if self._placement_group is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=self._placement_group, placement_group_bundle_index=self._bundles[i]
+                placement_group=self._placement_group,
+                placement_group_bundle_index=self._bundles[i][0],
+                # vLLM's Ray executor starts the TP workers as this actor's children, in this group.
+                placement_group_capture_child_tasks=bundles is not None,
             )
-        return self._remote_cls.options(**options).remote(self.spec, self.stage_dir)
+        return self._remote_cls.options(**options).remote(self.spec, self.stage_dir, bundles)
 
     def _recreate(self, i: int, cause: BaseException) -> None:
         log.warning("rollout worker %d died (%s); recreating it", i, cause)

@@ -58,6 +58,25 @@ class EngineSpec:
 
 
 @dataclass
+class EngineBundles:
+    """Where one engine's TP ranks run when vLLM's Ray executor places them (colocated placement, TP > 1):
+    one placement-group bundle a rank, all on one node (rl.placement), and the share of each bundle's GPU a
+    rank takes (the trainer rank colocated there holds the rest). The engine's own actor is scheduled in
+    the first bundle."""
+
+    bundle_indices: list[int]
+    gpus_per_rank: float
+
+    def __post_init__(self):
+        if len(set(self.bundle_indices)) != len(self.bundle_indices) or not self.bundle_indices:
+            raise ValueError(
+                f"EngineBundles.bundle_indices must be distinct and not empty: {self.bundle_indices}"
+            )
+        if not 0 < self.gpus_per_rank <= 1:
+            raise ValueError(f"EngineBundles.gpus_per_rank must be in (0, 1], got {self.gpus_per_rank}")
+
+
+@dataclass
 class SamplingSpec:
     """How to sample: `n` responses per prompt. `top_k` <= 0 and `top_p` = 1 mean off."""
 

@@ -23,7 +23,7 @@ from rl.model_info import num_experts, quantization_kind, vllm_lora_rank
 from rl.worker_logs import capture
 from rollout.adapter_layout import merged_to_checkpoint, peft_to_vllm, sibling_prefix
 from rollout.safetensors_io import write_safetensors
-from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
+from rollout.spec import EngineBundles, EngineSpec, PromptRequest, SamplingSpec
 from rollout.staging import StageDir, dir_bytes
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,9 @@ def stacked_experts(spec: EngineSpec, info: ModelInfo) -> bool:
     return spec.enable_lora and spec.lora_experts_stacked and info.is_moe
 
 
-def engine_kwargs(spec: EngineSpec, info: ModelInfo) -> dict:
-    """The `vllm.LLM` arguments of `spec` for the checkpoint described by `info`."""
+def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | None = None) -> dict:
+    """The `vllm.LLM` arguments of `spec` for the checkpoint described by `info`; `bundles`: the engine's
+    TP ranks go to these placement-group bundles through vLLM's Ray executor (`engine_env` sets the rest)."""
     kw = dict(
         model=spec.model_path,
         dtype=spec.dtype,
@@ -88,7 +89,19 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo) -> dict:
     )
     if spec.max_model_len:
         kw["max_model_len"] = spec.max_model_len
-    if not torch.cuda.is_available():
+    if bundles is not None:
+        if len(bundles.bundle_indices) != spec.tensor_parallel_size:
+            raise ValueError(
+                f"EngineBundles: {len(bundles.bundle_indices)} bundles for tensor_parallel_size "
+                f"{spec.tensor_parallel_size}; one bundle a TP rank"
+            )
+        kw["distributed_executor_backend"] = "ray"
+    elif spec.tensor_parallel_size > 1:
+        # The actor holds the engine's GPUs: TP ranks as its child processes. Left to itself, vLLM picks
+        # its Ray executor inside any placement group, which refuses bundles of more than one GPU.
+        kw["distributed_executor_backend"] = "mp"
+    # An engine given bundles runs on GPUs by construction (rl.placement); its own actor holds none.
+    if bundles is None and not torch.cuda.is_available():
         # vLLM's CPU runner rewinds a seeded request's generator after a partial (chunked) prefill with
         # Generator.set_offset, which CPU generators do not have ("CPU Generator does not use offset"):
         # a batch of seeded requests larger than the token budget kills the engine. Whole prefills only.
@@ -202,23 +215,50 @@ def _sync_metrics(path: Path, start: float, staged: float) -> dict:
     }
 
 
-class RolloutWorker:
-    """Owns one vLLM engine. `stage_root`: the per-run staging directory (rollout.staging)."""
+def engine_env(bundles: EngineBundles | None) -> dict[str, str]:
+    """Environment the engine needs before it starts: where vLLM's Ray executor puts the TP ranks."""
+    if bundles is None:
+        return {}
+    import ray
 
-    def __init__(self, spec: EngineSpec, stage_root: str | Path):
+    from rl.compat import vllm_ray_executor_env
+
+    if ray.util.get_current_placement_group() is None:
+        raise RuntimeError(
+            "EngineBundles given, but this actor is not in a placement group: schedule it with "
+            "PlacementGroupSchedulingStrategy(placement_group_capture_child_tasks=True)"
+        )
+    address = os.environ.get("RAY_ADDRESS") or ray.get_runtime_context().gcs_address
+    return vllm_ray_executor_env(bundles.bundle_indices, bundles.gpus_per_rank, address)
+
+
+class RolloutWorker:
+    """Owns one vLLM engine. `stage_root`: the per-run staging directory (rollout.staging). `bundles`: the
+    placement-group bundles of the engine's TP ranks, when vLLM's Ray executor places them (colocated TP);
+    None: the engine runs on what this actor holds. Sleep and wake reach every TP rank: vLLM's executor
+    forwards them to all its workers, as it does `collective_rpc`."""
+
+    def __init__(self, spec: EngineSpec, stage_root: str | Path, bundles: EngineBundles | None = None):
         # This worker's output, and its engine-core process's, into the run's logs/ (rl/worker_logs.py).
         capture(f"rollout-{os.getpid()}")
         self.spec = spec
+        self.bundles = bundles
         self.info = read_model_info(spec.model_path, spec.trust_remote_code)
-        if spec.enable_sleep_mode and not _has_cuda():
+        if bundles is not None and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+            # Ray blanks it in an actor holding no GPU where RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1; the engine
+            # core must see the node's GPUs to drive the TP workers that hold them.
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        if spec.enable_sleep_mode and bundles is None and not _has_cuda():
             raise ValueError("EngineSpec.enable_sleep_mode needs a GPU (vLLM's sleep mode is CUDA/ROCm only)")
         if spec.cpu_kvcache_gb:
             # Read by vLLM's CPU backend in the engine process, which inherits this environment.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.cpu_kvcache_gb:g}"
         self.stage = StageDir(stage_root)
+        kwargs = engine_kwargs(spec, self.info, bundles)
+        os.environ.update(engine_env(bundles))  # read by vLLM in this process and the engine core's
         from vllm import LLM
 
-        self.llm = LLM(**engine_kwargs(spec, self.info))
+        self.llm = LLM(**kwargs)
         self.version = 0  # of the weights generate uses: 0 = base
         self._lora = None  # the LoRARequest in use
         self._lora_ids = 0

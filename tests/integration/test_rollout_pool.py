@@ -35,7 +35,7 @@ def local_ray():
 class StandInWorker:
     """RolloutWorker's interface without vLLM. data_source cues: 'die-once:<file>', 'die', 'raise'."""
 
-    def __init__(self, spec, stage_dir):
+    def __init__(self, spec, stage_dir, bundles=None):
         self.version = 0
 
     def ping(self):

@@ -29,7 +29,7 @@ def test_colocated_shares_each_gpu_between_a_rank_and_an_engine():
     )
     assert bundles == [{"GPU": 1, "CPU": 2}] * 2
     assert place.trainer_gpus_per_rank == 0.5 and place.rollout_options["num_gpus"] == 0.5
-    assert place.rollout_bundles == [0, 1]
+    assert place.rollout_bundles == [[0], [1]]
 
 
 def test_split_gives_engines_their_own_tp_bundles():
@@ -43,7 +43,7 @@ def test_split_gives_engines_their_own_tp_bundles():
         )
     )
     assert bundles == [{"GPU": 1, "CPU": 1}] * 4 + [{"GPU": 2, "CPU": 1}] * 2
-    assert place.rollout_bundles == [4, 5] and place.trainer_gpus_per_rank == 1.0
+    assert place.rollout_bundles == [[4], [5]] and place.trainer_gpus_per_rank == 1.0
 
 
 def test_layouts_that_do_not_fit_name_the_keys():
@@ -59,12 +59,16 @@ def test_layouts_that_do_not_fit_name_the_keys():
                 "rollout.placement=split",
             )
         )
-    with pytest.raises(ValueError, match="rollout.tensor_parallel_size: colocated placement runs TP-1"):
+    with pytest.raises(
+        ValueError, match="rollout.tensor_parallel_size: 4 GPUs an engine is more than a node's"
+    ):
         plan_placement(
             _cfg(
-                "resources.num_gpus=2",
-                "trainer.num_ranks=2",
-                "rollout.tensor_parallel_size=2",
+                "resources.num_gpus=4",
+                "resources.gpus_per_node=2",
+                "resources.nodes=2",
+                "trainer.num_ranks=4",
+                "rollout.tensor_parallel_size=4",
                 "rollout.placement=colocated",
             )
         )

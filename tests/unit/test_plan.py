@@ -97,7 +97,7 @@ def test_small_model_rollout_by_hand(small_cfg):
 
 
 def test_small_model_trainer_by_hand(small_cfg):
-    p = P.make_plan(small_cfg(), gpu_gib=140)
+    p = P.make_plan(small_cfg("trainer.base_format=bf16"), gpu_gib=140)
     assert p.t_weights == 261_312 * 2 / 2
     # Trainer LoRA: q 4*8*128, k, v 4*8*96, o 4*8*128; fused experts 32 x 8 x ((64 + 2*32) + (32 + 64)).
     assert p.lora_params_trainer == 4096 + 2 * 3072 + 4096 + 32 * 8 * (128 + 96) == 71_680
@@ -107,6 +107,7 @@ def test_small_model_trainer_by_hand(small_cfg):
     assert p.t_activations == 4 * 1024 * 64 * 2 + work + 1024 * 100 * (2 + 4 + 4)
     assert p.t_peak == p.t_weights + p.t_lora_state + p.t_gathered + p.t_activations + GiB
     assert p.fits and [name for name, ok, _ in p.verdicts if ok] == [
+        "placement",
         "rollout",
         "colocated, rollout phase",
         "colocated, training phase",
@@ -180,7 +181,12 @@ def test_muse_kv_ratio_at_1m_and_nvfp4_weights():
     assert p.rollout_format == "nvfp4"  # from the checkpoint's name: no local config.json
     stored = (799e9 + 13.5e9 + 4.2e9) * (0.5 + 1 / 16) + 3.3e9 * 2
     assert p.r_weights == pytest.approx(stored / 8)
-    assert p.t_weights == pytest.approx(820e9 * 2 / 16)
+    assert p.base_format == "nvfp4"  # trainer.base_format=auto and an NVFP4 model.path: kept packed
+    assert p.t_weights == pytest.approx(stored / 16)
+    bf16 = P.make_plan(
+        load_config(ROOT / "recipes" / "muse_spark_open_dapo_lora.yaml", ["trainer.base_format=bf16"])
+    )
+    assert bf16.t_weights == pytest.approx(820e9 * 2 / 16)
     text = P.format_plan(p, "muse")
     assert "at 1,048,576 tokens the KV cache is 0.2595 of all-full attention" in text
     assert "assumed: 96 query heads, 8 KV heads, head_dim 128" in text
@@ -263,3 +269,81 @@ def test_make_tiny_recipe_plans_without_gpus():
     assert (p.shape.num_layers, p.shape.hidden, p.shape.num_experts, p.shape.top_k) == (4, 128, 8, 2)
     assert p.r_lora == 0 and p.rollout_format == "float32"  # merged sync; float32 weights on CPU
     assert p.verdicts == [] and "verdict: CPU run" in P.format_plan(p)
+
+
+def test_small_model_nvfp4_base_by_hand(small_cfg):
+    """trainer.base_format=auto reads model.path's quantization_config (NVFP4): the Linear layers stay packed
+    at 0.5625 B a weight; two layers gather packed and the computing one is dequantized to BF16."""
+    p = P.make_plan(small_cfg(), gpu_gib=140)
+    assert (p.base_format, p.base_label) == ("nvfp4", "nvfp4, packed")
+    assert "quantization_config in" in p.base_format_why
+    # attention + experts packed; router, embeddings, norms in BF16; over 2 ranks
+    assert p.t_weights == (245_760 * 0.5625 + 15_552 * 2) / 2
+    # the largest layer: 62,128 parameters, of which 61,440 packed (attention 12,288 + experts 49,152)
+    assert p.shape.largest_layer_quantized_params() == 12_288 + 49_152
+    assert p.t_gathered == 2 * (61_440 * 0.5625 + 688 * 2) + 61_440 * 2 + 12_800 * 2
+    one_rank = P.make_plan(small_cfg("trainer.num_ranks=1"), gpu_gib=140)
+    assert one_rank.t_gathered == 61_440 * 2  # nothing to gather; the dequantized layer all the same
+    bf16 = P.make_plan(small_cfg("trainer.base_format=bf16"), gpu_gib=140)
+    assert p.t_weights < 0.35 * bf16.t_weights and p.t_gathered < bf16.t_gathered
+
+
+def test_chunked_head_holds_one_chunk_of_logits(small_cfg):
+    whole = P.make_plan(small_cfg("trainer.logits_chunk_tokens=0"), gpu_gib=140)
+    chunked = P.make_plan(small_cfg("trainer.logits_chunk_tokens=256"), gpu_gib=140)
+    assert (whole.logits_tokens, chunked.logits_tokens) == (1024, 256)
+    assert whole.t_logits == 1024 * 100 * (2 + 4 + 4) and chunked.t_logits == 256 * 100 * (2 + 4 + 4)
+    assert whole.t_activations - chunked.t_activations == whole.t_logits - chunked.t_logits
+    # a chunk longer than the micro-batch is the micro-batch
+    assert P.make_plan(small_cfg("trainer.logits_chunk_tokens=8192"), gpu_gib=140).logits_tokens == 1024
+
+
+def test_plan_refuses_what_placement_refuses(small_cfg):
+    """Engines never span nodes: 2 engines of TP 3 on nodes of 4 GPUs (6 colocated GPUs packed 4 + 2) have
+    room for one; the plan's placement verdict is plan_placement's error, so the plan does not fit."""
+    cfg = small_cfg(
+        "resources.num_gpus=8",
+        "resources.nodes=2",
+        "resources.gpus_per_node=4",
+        "trainer.num_ranks=2",
+        "rollout.num_workers=2",
+        "rollout.tensor_parallel_size=3",
+    )
+    p = P.make_plan(cfg, gpu_gib=140)
+    assert not p.fits
+    (ok, why) = next((ok, why) for name, ok, why in p.verdicts if name == "placement")
+    assert not ok and "room for 1 engine(s)" in why and "sit 4, 2 a node" in why
+    assert "OVER placement: rollout.num_workers" in P.format_plan(p)
+    fits = P.make_plan(small_cfg("rollout.tensor_parallel_size=2"), gpu_gib=140)
+    assert ("placement", True) in [(n, ok) for n, ok, _ in fits.verdicts]
+
+
+def test_margin_is_the_tightest_check(small_cfg):
+    p = P.make_plan(small_cfg(), gpu_gib=140)
+    assert set(p.headroom) == {"rollout", "colocated, rollout phase", "colocated, training phase"}
+    assert p.margin == min(p.headroom.values())
+    assert p.headroom["colocated, rollout phase"] == 140 * GiB - p.t_resident - p.r_budget
+    assert f"margin: {p.margin / GiB:.1f} GiB" in P.format_plan(p)
+
+
+def test_gpu_memory_comes_from_the_config(small_cfg):
+    p = P.make_plan(small_cfg("resources.gpu_memory_gib=80"))
+    assert p.gpu_bytes == 80 * GiB and p.r_budget == 0.5 * 80 * GiB
+
+
+def test_over_budget_bf16_base_hints_at_nvfp4_and_chunking():
+    cfg = load_config(
+        ROOT / "recipes" / "muse_spark_open_dapo_lora.yaml",
+        ["trainer.base_format=bf16", "trainer.logits_chunk_tokens=0"],
+    )
+    p = P.make_plan(cfg)
+    assert not p.fits
+    # the figures the planner gave before the NVFP4 base and the chunked head: 214 GiB of which 30.7 logits
+    assert p.t_peak / GiB == pytest.approx(214.27, abs=0.01) and p.t_logits / GiB == pytest.approx(
+        30.68, abs=0.01
+    )
+    assert any(
+        s.startswith("trainer.base_format=nvfp4 keeps model.path's NVFP4 weights packed")
+        for s in p.suggestions
+    )
+    assert any(s.startswith("trainer.logits_chunk_tokens=4096 cuts") for s in p.suggestions)

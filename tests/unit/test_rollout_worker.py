@@ -123,6 +123,7 @@ def test_engine_settings_pass_through():
         logprobs_mode="processed_logprobs",
         worker_extension_cls="rollout.vllm_ext.SparkWorkerExtension",
         max_model_len=300,
+        distributed_executor_backend="mp",  # TP 2 on this actor's own GPUs (split placement)
         enable_lora=True,
         max_lora_rank=16,
         max_loras=1,  # 12 -> vLLM's next rank, 16
