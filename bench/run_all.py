@@ -80,6 +80,12 @@ def parse_args(argv=None):
     p.add_argument("--sync-cases", default="8:attn,8:all,32:attn,32:all", help="rank:targets,...")
     p.add_argument("--grpo-model", default="muse")
     p.add_argument(
+        "--grpo-base-format",
+        choices=("bf16", "nvfp4"),
+        default="bf16",
+        help="the GRPO trainer's base (trainer.base_format): the BF16 dequantization or the NVFP4 checkpoint",
+    )
+    p.add_argument(
         "--rollout-pair",
         default="",
         help="BASE,OTHER: sweep these two engines' rollout in alternation, both up at once in child "

@@ -20,6 +20,7 @@ import torch
 from rl.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft_dir
 from rl.batch import Sample
 from rollout.adapter_layout import merged_to_checkpoint, peft_to_vllm, sibling_prefix
+from rollout.lora_kernels import HopperLoraConfigs, hopper_gpu_name
 from rollout.safetensors_io import write_safetensors
 from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
 from rollout.staging import StageDir, dir_bytes
@@ -234,9 +235,17 @@ class RolloutWorker:
             # Read by vLLM's CPU backend in the engine process, which inherits this environment.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.cpu_kvcache_gb:g}"
         self.stage = StageDir(stage_root)
+        block_n = spec.hopper_lora_expand_block_n if spec.enable_lora else 0
+        self.lora_configs = HopperLoraConfigs(
+            self.stage.dir / "vllm_lora_configs", block_n, hopper_gpu_name() if block_n else None
+        )
         from vllm import LLM
 
-        self.llm = LLM(**engine_kwargs(spec, self.info))
+        try:
+            self.llm = LLM(**engine_kwargs(spec, self.info))
+        except BaseException:
+            self.lora_configs.restore()
+            raise
         self.version = 0  # of the weights generate uses: 0 = base
         self._lora = None  # the LoRARequest in use
         self._lora_ids = 0
@@ -450,6 +459,7 @@ class RolloutWorker:
                 core.shutdown()
             del llm
             gc.collect()
+        self.lora_configs.restore()
         self.stage.cleanup()
 
     def _check_awake(self, what: str) -> None:
