@@ -6,7 +6,7 @@
 #   bash bench/h200_calls.sh install long_prompts   # NVFP4 + LoRA + R3, prompts 128/512/2048, vLLM's
 #                                                   # LoRA configs against the Hopper expand configs
 #   bash bench/h200_calls.sh base_format            # trainer base nvfp4 vs bf16, both models (eager layers)
-#   bash bench/h200_calls.sh qwen_kl grpo_nvfp4     # Qwen3-MoE KL rows; 20 GRPO steps, NVFP4-resident trainer
+#   bash bench/h200_calls.sh qwen_kl grpo           # Qwen3-MoE KL rows; 20 GRPO steps (GRPO_BASE=bf16|nvfp4)
 #
 # Each step runs under `timeout` (TIMEOUT_<step> seconds) so that a call ends inside the device's 600 s and
 # the rows written so far come back; each step's folder is packed into $OUT/NAME.tgz.
@@ -54,7 +54,8 @@ for call in "$@"; do
     ;;
   base_format)
     # eager trainer layers: four trainers (two models x two formats) compile in no call's time
-    step base_format "${TIMEOUT_base_format:-480}" python3 -m bench.base_format --out "$OUT0/base_format" \
+    # its process has touched CUDA by the time the engine starts: vLLM must spawn, not fork, its engine core
+    VLLM_WORKER_MULTIPROC_METHOD=spawn step base_format "${TIMEOUT_base_format:-480}" python3 -m bench.base_format --out "$OUT0/base_format" \
       --root "$ROOT/models" --models muse,qwen3_moe --no-compile
     grep -E ' (nvfp4|bf16): base|rollout samples' "$OUT0/base_format/stdout.txt"
     rm -rf "$OUT0/base_format/stage"
@@ -67,11 +68,13 @@ for call in "$@"; do
     grep -E '^\[' "$OUT0/qwen3_moe_kl/log.txt" | tail -12
     pack qwen3_moe_kl
     ;;
-  grpo_nvfp4)
-    step muse_grpo_nvfp4 "${TIMEOUT_grpo:-480}" python3 -m bench.run_all --root "$ROOT" --models muse \
-      --only build,grpo --grpo-base-format nvfp4 --budget-s "${BUDGET_grpo:-420}"
-    grep -E 'step [0-9]+:|grpo' "$OUT0/muse_grpo_nvfp4/log.txt" | tail -24
-    pack muse_grpo_nvfp4
+  grpo)
+    # GRPO_BASE: the trainer's base (--grpo-base-format), nvfp4 by default
+    base=${GRPO_BASE:-nvfp4}
+    step "muse_grpo_$base" "${TIMEOUT_grpo:-480}" python3 -m bench.run_all --root "$ROOT" --models muse \
+      --only build,grpo --grpo-base-format "$base" --budget-s "${BUDGET_grpo:-420}"
+    grep -E 'step [0-9]+:|grpo' "$OUT0/muse_grpo_$base/log.txt" | tail -24
+    pack "muse_grpo_$base"
     ;;
   *)
     echo "unknown call $call" >&2
