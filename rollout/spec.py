@@ -40,6 +40,9 @@ class EngineSpec:
     enable_sleep_mode: bool = False  # colocated placement: free the GPU while the trainer runs
     moe_backend: str = "auto"  # "marlin" pins weight-only FP4 experts to Marlin
     enable_prefix_caching: bool = True
+    # LoRA on a Hopper GPU: the single-slice lora_expand kernel's N block (vLLM's 128 gives NaN on sm90);
+    # 0 leaves vLLM's configs. Not a `vllm.LLM` argument: vLLM's tuned-config folder (rollout/lora_kernels.py).
+    hopper_lora_expand_block_n: int = 32
     trust_remote_code: bool = False
     # Further `vllm.LLM` keyword arguments, passed as they are over the ones above (`rollout.engine_args`).
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
@@ -53,6 +56,10 @@ class EngineSpec:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"EngineSpec.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.hopper_lora_expand_block_n < 0:
+            raise ValueError(
+                f"EngineSpec.hopper_lora_expand_block_n must be >= 0, got {self.hopper_lora_expand_block_n}"
+            )
         if self.max_lora_rank < 1:
             raise ValueError(f"EngineSpec.max_lora_rank must be >= 1, got {self.max_lora_rank}")
 

@@ -22,6 +22,7 @@ from rl.batch import Sample
 from rl.model_info import num_experts, quantization_kind, vllm_lora_rank
 from rl.worker_logs import capture
 from rollout.adapter_layout import merged_to_checkpoint, peft_to_vllm, sibling_prefix
+from rollout.lora_kernels import HopperLoraConfigs, hopper_gpu_name
 from rollout.safetensors_io import write_safetensors
 from rollout.spec import EngineBundles, EngineSpec, PromptRequest, SamplingSpec
 from rollout.staging import StageDir, dir_bytes
@@ -256,9 +257,17 @@ class RolloutWorker:
         self.stage = StageDir(stage_root)
         kwargs = engine_kwargs(spec, self.info, bundles)
         os.environ.update(engine_env(bundles))  # read by vLLM in this process and the engine core's
+        block_n = spec.hopper_lora_expand_block_n if spec.enable_lora else 0
+        self.lora_configs = HopperLoraConfigs(
+            self.stage.dir / "vllm_lora_configs", block_n, hopper_gpu_name() if block_n else None
+        )
         from vllm import LLM
 
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except BaseException:
+            self.lora_configs.restore()
+            raise
         self.version = 0  # of the weights generate uses: 0 = base
         self._lora = None  # the LoRARequest in use
         self._lora_ids = 0
@@ -472,6 +481,7 @@ class RolloutWorker:
                 core.shutdown()
             del llm
             gc.collect()
+        self.lora_configs.restore()
         self.stage.cleanup()
 
     def _check_awake(self, what: str) -> None:
