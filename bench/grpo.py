@@ -66,7 +66,6 @@ def config_overrides(model: dict, name: str, args, run_dir: Path) -> list[str]:
         "trainer.num_ranks=1",
         f"trainer.lr={args.grpo_lr}",
         "trainer.checkpoint_every=0",
-        "trainer.dtype=float32",
         "trainer.micro_batch_tokens=16384",
         "trainer.activation_checkpointing=true",
         f"lora.rank={args.grpo_rank}",

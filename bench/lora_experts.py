@@ -40,10 +40,10 @@ def _lora(model_name: str, rank: int):
         rank=rank,
         alpha=2.0 * rank,
         dropout=0.0,
-        attention=True,
+        modules=["q_proj", "k_proj", "v_proj", "o_proj"],
         experts=True,
         latent=model_name == "muse",
-        extra=[],
+        extra="",
     )
 
 

@@ -73,7 +73,6 @@ def trainer_spec(
     lora = LoraSpec(
         rank=rank,
         alpha=2.0 * rank,
-        attention=True,
         experts=targets == "all",
         latent=targets == "all" and model_name == "muse",
     )

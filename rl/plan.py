@@ -17,7 +17,7 @@ The model (figures per GPU; GiB = 2**30 bytes):
   KV cache gets what is left of gpu_memory_utilization x GPU: 2 x KV heads on the GPU x head_dim x dtype
   bytes a token a layer, with sliding-window layers holding min(context, window) tokens.
 - Trainer (FSDP2 over trainer.num_ranks): base weights in model.dtype sharded over the ranks; LoRA
-  parameters, gradients and AdamW moments in trainer.dtype, sharded (experts as the trainer holds them:
+  parameters, gradients and AdamW moments in float32, sharded (experts as the trainer holds them:
   gate_up fused, one A for both); two decoder layers gathered at once (the one computing and the next,
   prefetched) plus the embeddings and output; activations of one micro-batch (each layer's input kept under
   activation checkpointing; with trainer.activation_memory_budget B on compiled GPU layers, the compiled
@@ -553,7 +553,7 @@ def make_plan(cfg, gpu_gib: float = H200_GIB) -> Plan:
     # ---- trainer ----
     ranks = tr.num_ranks
     lora_t = trainer_lora_params(cfg, s)
-    state_bytes = 4 * DTYPE_BYTES[tr.dtype]  # parameter, gradient, AdamW m and v
+    state_bytes = 4 * DTYPE_BYTES["float32"]  # parameter, gradient, AdamW m and v: fp32 LoRA masters
     gathered = 0.0 if ranks == 1 else (2 * s.largest_layer_params() + p.get("embeddings", 0)) * wbytes
     tokens = tr.micro_batch_tokens or tr.micro_batch_size * (ro.max_prompt_len + ro.max_response_len)
 

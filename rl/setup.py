@@ -129,11 +129,12 @@ def sampling_spec(cfg: SparkConfig, seed: int, eval: bool = False):
 
 def trainer_spec(cfg: SparkConfig, model_path: str):
     from rl.algo import AlgoConfig
+    from trainer.minibatch import steps_per_batch
     from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
 
     a, t, lo = cfg.algorithm, cfg.trainer, cfg.lora
     algo_cfg = AlgoConfig(
-        adv_estimator="drgrpo" if a.adv_estimator == "grpo" and not a.norm_adv_by_std else a.adv_estimator,
+        adv_estimator=a.adv_estimator,
         loss_mode=a.policy_loss,
         clip_ratio_low=a.clip_ratio_low,
         clip_ratio_high=a.clip_ratio_high,
@@ -141,6 +142,7 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
         loss_agg_mode=a.loss_agg_mode,
         loss_scale_factor=float(cfg.rollout.max_response_len),
         kl_coef=a.kl_coef,
+        entropy_coeff=a.entropy_coeff,
         tis_cap=a.rollout_correction.tis_cap or None,
         mis_token_bounds=(a.rollout_correction.mis_low, a.rollout_correction.mis_high)
         if a.rollout_correction.mis_high
@@ -154,10 +156,10 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
             rank=lo.rank,
             alpha=lo.alpha,
             dropout=lo.dropout,
-            attention=bool(lo.target_modules),
+            modules=list(lo.target_modules),
             experts=lo.target_experts,
             latent=lo.target_latent,
-            extra=[lo.extra] if lo.extra else [],
+            extra=lo.extra,
         ),
         optim=OptimSpec(
             lr=t.lr,
@@ -165,11 +167,17 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
             eps=t.eps,
             weight_decay=t.weight_decay,
             warmup_steps=t.warmup_steps,
-            total_steps=t.total_steps * t.ppo_epochs,
+            # Optimizer steps of the run, for the schedule: a batch of data.train_batch_size prompts makes
+            # this many (dynamic sampling may keep more or fewer groups; the schedule assumes the full batch).
+            total_steps=t.total_steps
+            * steps_per_batch(cfg.data.train_batch_size, t.mini_batch_size, t.ppo_epochs),
             schedule=t.lr_schedule,
+            min_lr_ratio=t.min_lr_ratio,
             grad_clip=t.grad_clip,
         ),
         algo=algo_cfg,
+        mini_batch_size=t.mini_batch_size,
+        ppo_epochs=t.ppo_epochs,
         micro_batch_size=t.micro_batch_size,
         micro_batch_tokens=max(t.micro_batch_tokens, max_seq) if t.micro_batch_tokens else 0,
         max_seq_len=max_seq,

@@ -164,9 +164,9 @@ def test_values_in_names_and_as_overrides():
 
 
 def test_names_that_collide_once_sanitized_get_their_index(tmp_path):
-    path = _write(tmp_path, "base: demo_cpu\nname: c\ngrid: {data.val: ['a/b', 'a_b']}\n")
+    path = _write(tmp_path, "base: demo_cpu\nname: c\ngrid: {eval.data: ['a/b', 'a_b']}\n")
     sweep = S.load_sweep(path, check=False)
-    assert [p.name for p in sweep.points] == ["c/val=a_b", "c/val=a_b-1"]
+    assert [p.name for p in sweep.points] == ["c/data=a_b", "c/data=a_b-1"]
 
 
 BASE_RECIPE = """
