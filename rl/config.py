@@ -228,13 +228,19 @@ class RolloutCorrectionConfig:
     )
 
 
+MAX_DRAWS = 64  # prompt batches one step may draw: the driver gives each (step, draw) its own seed stream
+
+
 @dataclass
 class DynamicSamplingConfig:
     """DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompts."""
 
     enabled: bool = _f(False, "Turn dynamic sampling on.")
     max_draws: int = _f(
-        10, "Most prompt batches drawn for one step; then train on the groups kept so far.", ge=1
+        10,
+        "Most prompt batches drawn for one step; then train on the groups kept so far.",
+        ge=1,
+        le=MAX_DRAWS,
     )
 
 
