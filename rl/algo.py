@@ -323,10 +323,11 @@ def rollout_correction(
 
 
 def _log_bounds(name: str, bounds: tuple[float, float]) -> tuple[float, float]:
+    """Bounds on the ratio -> on its log; low 0 and high inf are open ends."""
     lo, hi = bounds
-    if not 0 < lo <= 1 <= hi:
-        raise ValueError(f"{name} must satisfy 0 < low <= 1 <= high, got {bounds}")
-    return math.log(lo), math.log(hi)
+    if not 0 <= lo <= 1 <= hi:
+        raise ValueError(f"{name} must satisfy 0 <= low <= 1 <= high, got {bounds}")
+    return (math.log(lo) if lo > 0 else -math.inf), math.log(hi)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ The only place that turns the config tree into the small specs the workers take
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +134,7 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
     from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
 
     a, t, lo = cfg.algorithm, cfg.trainer, cfg.lora
+    rc = a.rollout_correction
     algo_cfg = AlgoConfig(
         adv_estimator=a.adv_estimator,
         loss_mode=a.policy_loss,
@@ -144,9 +146,8 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
         kl_coef=a.kl_coef,
         entropy_coeff=a.entropy_coeff,
         tis_cap=a.rollout_correction.tis_cap or None,
-        mis_token_bounds=(a.rollout_correction.mis_low, a.rollout_correction.mis_high)
-        if a.rollout_correction.mis_high
-        else None,
+        # Either bound alone masks on its side only (0 = off: the other end stays open).
+        mis_token_bounds=(rc.mis_low, rc.mis_high or math.inf) if rc.mis_low or rc.mis_high else None,
     )
     max_seq = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     return TrainerSpec(
