@@ -259,7 +259,7 @@ def test_mini_batches_epochs_kl_and_entropy_match_the_reference(group, batch):
         assert got["actor/optimizer_steps"] == 6
         assert got["actor/lr"] == pytest.approx(lrs[0])
         for k, values in want.items():
-            assert got[k] == pytest.approx(np.mean(values), rel=2e-3, abs=1e-6), k
+            assert got[k] == pytest.approx(np.mean(values), rel=2e-3, abs=1e-4), k
         # The first mini-batch trains on-policy (ratio 1); the later ones see a moved policy.
         assert want["actor/ppo_kl"][0] == pytest.approx(0.0, abs=1e-7) and abs(got["actor/ppo_kl"]) > 1e-6
         assert got["actor/kl_loss"] > 0  # the adapter (random B) moves the policy off the base model
