@@ -132,4 +132,6 @@ def test_every_draw_of_every_step_and_every_eval_gets_its_own_sampling_seed():
         train_stream(1, MAX_DRAWS)
     with pytest.raises(ConfigError, match="algorithm.dynamic_sampling.max_draws: must be in \\[1, 64\\]"):
         _cfg(f"algorithm.dynamic_sampling.max_draws={MAX_DRAWS + 1}")
-    assert _cfg(f"algorithm.dynamic_sampling.max_draws={MAX_DRAWS}").algorithm.dynamic_sampling.max_draws == 64
+    assert (
+        _cfg(f"algorithm.dynamic_sampling.max_draws={MAX_DRAWS}").algorithm.dynamic_sampling.max_draws == 64
+    )

@@ -76,7 +76,9 @@ def test_extra_is_a_regex_matched_in_full_against_full_module_names():
 
 
 def test_bad_targets_are_named():
-    with pytest.raises(ValueError, match=r"matches the router 'model.layers.0.mlp.gate'; routers stay frozen"):
+    with pytest.raises(
+        ValueError, match=r"matches the router 'model.layers.0.mlp.gate'; routers stay frozen"
+    ):
         lora_config(base(), LoraSpec(extra=r"model\.layers\.0\.mlp\.gate"))
     with pytest.raises(ValueError, match="lora.target_modules: 'gate' is a router"):
         lora_config(base(), LoraSpec(modules=["q_proj", "gate"]))
