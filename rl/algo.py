@@ -50,6 +50,7 @@ class AlgoConfig:
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm only: use the max response length
     kl_coef: float = 0.0  # KL to the reference policy in the loss; 0 = off (DAPO)
     kl_type: str = "k3"
+    entropy_coeff: float = 0.0  # entropy bonus: the loss minus entropy_coeff * aggregated entropy; 0 = off
     tis_cap: float | None = None  # truncated IS, cap C; None = off
     mis_token_bounds: tuple[float, float] | None = None  # masked IS, ratio bounds per token
     mis_seq_bounds: tuple[float, float] | None = None  # masked IS, bounds on the geometric-mean ratio
@@ -319,10 +320,11 @@ def rollout_correction(
 
 
 def _log_bounds(name: str, bounds: tuple[float, float]) -> tuple[float, float]:
+    """Bounds on the ratio -> on its log; low 0 and high inf are open ends."""
     lo, hi = bounds
-    if not 0 < lo <= 1 <= hi:
-        raise ValueError(f"{name} must satisfy 0 < low <= 1 <= high, got {bounds}")
-    return math.log(lo), math.log(hi)
+    if not 0 <= lo <= 1 <= hi:
+        raise ValueError(f"{name} must satisfy 0 <= low <= 1 <= high, got {bounds}")
+    return (math.log(lo) if lo > 0 else -math.inf), math.log(hi)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -374,12 +376,15 @@ def policy_loss(
     kl_coef: float = 0.0,
     kl_type: str = "k3",
     entropy: torch.Tensor | None = None,
+    entropy_coeff: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss of one micro-batch -> (scalar loss, metrics).
 
     log_prob [B, T] (with grad), old_log_prob [B, T], advantages [B] or [B, T], response_mask [B, T]
     (the loss mask from `rollout_correction` when MIS is on), is_weights [B, T] (TIS), ref_log_prob
-    [B, T] (KL term, kl_coef * KL aggregated like the pg loss), entropy [B, T] (metric only).
+    [B, T] (KL term, kl_coef * KL aggregated like the pg loss), entropy [B, T] (the `actor/entropy`
+    metric; with entropy_coeff != 0 also the bonus, verl's: minus entropy_coeff * entropy aggregated like
+    the pg loss, so the entropy needs its gradient then).
     global_num_tokens (token-mean) / global_num_seqs (seq-mean modes): see the module docstring; without
     them the micro-batch is normalised by its own counts. seq-mean-token-sum-norm needs loss_scale_factor
     (the max response length), since verl's default, the padded T, changes from micro-batch to micro-batch.
@@ -454,9 +459,15 @@ def policy_loss(
         kl_loss = core_algos.agg_loss(kl, mask, loss_agg_mode, **batch_info)
         loss = loss + kl_coef * kl_loss
         metrics["actor/kl_loss"] = float(kl_loss.detach())
+    if entropy_coeff and entropy is None:
+        raise ValueError("entropy is required when entropy_coeff != 0")
     if entropy is not None:
-        ent = _check_values("entropy", entropy.detach(), m)
-        metrics["actor/entropy"] = float(verl_F.masked_mean(ent, mask))
+        ent = _check_values("entropy", entropy, m)
+        metrics["actor/entropy"] = float(verl_F.masked_mean(ent.detach(), mask))
+        if entropy_coeff:
+            entropy_loss = core_algos.agg_loss(ent, mask, loss_agg_mode, **batch_info)
+            loss = loss - entropy_coeff * entropy_loss
+            metrics["actor/entropy_loss"] = float(entropy_loss.detach())
     if not torch.isfinite(loss):
         raise ValueError(f"policy loss is {float(loss.detach())} although every input was finite")
     return loss, metrics

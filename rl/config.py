@@ -162,11 +162,14 @@ class TrainerConfig:
     betas: list[float] = _f([0.9, 0.999], "AdamW betas [beta1, beta2], each in [0, 1).")
     eps: float = _f(1.0e-8, "AdamW epsilon.", gt=0)
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 = no clipping).", ge=0)
-    ppo_epochs: int = _f(1, "Passes over each batch.", ge=1)
+    ppo_epochs: int = _f(
+        1, "Passes over each batch, the groups dealt into mini-batches in a fresh order each pass.", ge=1
+    )
     mini_batch_size: int = _f(
         0,
-        "Prompts per optimizer step, each with its `rollout.n` samples (0 = the "
-        "whole batch: one optimizer step per epoch).",
+        "Prompts per optimizer step, each with all its `rollout.n` samples (a group is never split; 0 = the "
+        "whole batch: one optimizer step per epoch). Every step after the first trains off the old "
+        "log-probs, so the PPO clip engages.",
         ge=0,
     )
     micro_batch_tokens: int = _f(
@@ -198,7 +201,6 @@ class TrainerConfig:
         ge=0,
         le=1,
     )
-    dtype: str = _f("float32", "Dtype of the LoRA parameters and optimizer state.", ("float32", "bfloat16"))
     base_format: str = _f(
         "auto",
         "How the trainer holds the frozen base weights that an NVFP4 checkpoint (`model.path`) keeps "
@@ -229,12 +231,19 @@ class LoraConfig:
     dropout: float = _f(0.0, "Dropout on the LoRA input.", ge=0, lt=1)
     target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj"],
-        "Module names (last path component) that get an adapter: attention here.",
+        "Module names (last path component) that get an adapter, each exactly as named, in every layer "
+        "that has it; a name the model lacks is an error.",
     )
-    target_experts: bool = _f(True, "Adapters on every routed expert's `lora.expert_modules`.")
-    expert_modules: list[str] = _f(["gate_proj", "up_proj", "down_proj"], "Projections of a routed expert.")
+    target_experts: bool = _f(
+        True, "Adapters on every routed expert's fused projections (gate_up_proj and down_proj)."
+    )
     target_latent: bool = _f(False, "Adapters on the latent MoE pooler and unpooler (Muse Spark Open).")
-    extra: str = _f("", "Regex over full module names that also get an adapter ('' = none).")
+    extra: str = _f(
+        "",
+        "A regular expression: every module whose full name (as in the Hugging Face model, e.g. "
+        "`model.layers.0.mlp.shared_expert.up_proj`) it matches in full also gets an adapter ('' = none). "
+        "It must match at least one module and no router.",
+    )
 
 
 @dataclass
@@ -256,13 +265,19 @@ class RolloutCorrectionConfig:
     )
 
 
+MAX_DRAWS = 64  # prompt batches one step may draw: the driver gives each (step, draw) its own seed stream
+
+
 @dataclass
 class DynamicSamplingConfig:
     """DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompts."""
 
     enabled: bool = _f(False, "Turn dynamic sampling on.")
     max_draws: int = _f(
-        10, "Most prompt batches drawn for one step; then train on the groups kept so far.", ge=1
+        10,
+        "Most prompt batches drawn for one step; then train on the groups kept so far.",
+        ge=1,
+        le=MAX_DRAWS,
     )
 
 
@@ -280,8 +295,12 @@ class OverlongConfig:
 class AlgorithmConfig:
     """Advantages and the policy loss."""
 
-    adv_estimator: str = _f("grpo", "Advantage estimator.", Registered("rl.algo", "ADV_ESTIMATORS"))
-    norm_adv_by_std: bool = _f(True, "Divide group-centred rewards by the group's standard deviation.")
+    adv_estimator: str = _f(
+        "grpo",
+        "Advantage estimator: grpo (group-centred rewards over the group's standard deviation), drgrpo "
+        "(group-centred, not divided), rloo (leave-one-out baseline).",
+        Registered("rl.algo", "ADV_ESTIMATORS"),
+    )
     policy_loss: str = _f(
         "vanilla",
         "Token-level clipped PPO (vanilla, also named ppo) or sequence-level ratio (gspo).",
@@ -295,8 +314,18 @@ class AlgorithmConfig:
         "How token losses are averaged.",
         Registered("rl.algo", "LOSS_AGG_MODES"),
     )
-    entropy_coeff: float = _f(0.0, "Entropy bonus coefficient.", ge=0)
-    kl_coef: float = _f(0.0, "KL penalty to the base model (the adapter switched off); 0 = none.", ge=0)
+    entropy_coeff: float = _f(
+        0.0,
+        "Entropy bonus: the loss minus this times the token entropy, aggregated like the policy loss "
+        "(verl's actor.entropy_coeff; 0 = off).",
+        ge=0,
+    )
+    kl_coef: float = _f(
+        0.0,
+        "KL loss to the reference, the base model (the adapter switched off, the same routing replayed): "
+        "this times the k3 estimate, aggregated like the policy loss; `actor/kl_loss` (0 = off).",
+        ge=0,
+    )
     rollout_correction: RolloutCorrectionConfig = _f(RolloutCorrectionConfig, "Mismatch correction.")
     dynamic_sampling: DynamicSamplingConfig = _f(DynamicSamplingConfig, "DAPO dynamic sampling.")
     overlong: OverlongConfig = _f(OverlongConfig, "DAPO overlong reward shaping.")
@@ -320,7 +349,6 @@ class DataConfig:
     options such as `split`, `limit` and `dedup` in the query (e.g. `org/name?split=test&limit=100`)."""
 
     train: str = _f(MISSING, "Training prompt source (e.g. `BytedTsinghua-SIA/DAPO-Math-17k`).")
-    val: str = _f("", "Held-out prompts scored at each eval beside `eval.data` ('' = none).")
     train_batch_size: int = _f(32, "Prompts per step.", ge=1)
     shuffle: bool = _f(True, "Shuffle the training prompts each epoch.")
     seed: int = _f("${run.seed}", "Shuffling seed.")
@@ -370,7 +398,7 @@ class SyncConfig:
     expert_layout: str = _f(
         "stacked",
         "How adapter sync ships routed-expert LoRA: stacked (PEFT's 3D tensors, 4 a MoE layer, split per "
-        "expert inside vLLM; needs LoRA on gate_proj, up_proj and down_proj) or per_expert (split by "
+        "expert inside vLLM) or per_expert (split by "
         "sparkrl, 6 tensors an expert). Same adapter either way; stacked synced in half the time on the "
         "H200 (docs/benchmarks.md).",
         ("stacked", "per_expert"),
@@ -844,19 +872,6 @@ def validate(cfg: SparkConfig) -> list[tuple[str, str]]:
         has_target,
         "lora.target_modules",
         "the adapter has no targets: set lora.target_modules, target_experts, target_latent or extra",
-    )
-    need(
-        not lo.target_experts or bool(lo.expert_modules),
-        "lora.expert_modules",
-        "must not be empty when lora.target_experts is true",
-    )
-    need(
-        not (cfg.sync.mode == "adapter" and cfg.sync.expert_layout == "stacked" and lo.target_experts)
-        or {"gate_proj", "up_proj", "down_proj"} <= set(lo.expert_modules),
-        "lora.expert_modules",
-        "sync.expert_layout=stacked ships the fused gate_up and down expert LoRA as pairs and needs "
-        f"gate_proj, up_proj and down_proj, got {lo.expert_modules}; add them or set "
-        "sync.expert_layout=per_expert",
     )
     if lo.extra:
         try:

@@ -25,14 +25,32 @@ import torch
 from rl import algo
 from rl.batch import Sample
 from rl.checkpoint import latest_checkpoint, load_driver_state, save_checkpoint
-from rl.config import SparkConfig, run_dir, save_config
+from rl.config import MAX_DRAWS, SparkConfig, run_dir, save_config
 from rl.data.loader import Prompt, PromptLoader
 from rl.metrics import MetricsLogger
 from rl.monitor import KLMonitor, StopRun
 from rl.setup import build_components, prompt_requests, sampling_spec
 
-# Step-dependent sampling seeds: distinct per (run seed, step, request), identical on a resumed run.
+# Step-dependent sampling seeds: distinct per (run seed, step, draw), identical on a resumed run.
 _SEED_STRIDE = 1_000_003
+_SEED_PRIME = 2**31 - 1  # prime: distinct streams (|difference| < it) give distinct seeds
+
+
+def train_stream(step: int, draw: int) -> int:
+    """The seed stream of dynamic-sampling draw `draw` of training step `step`: one per (step, draw), since
+    a step draws at most MAX_DRAWS batches."""
+    if not 0 <= draw < MAX_DRAWS:
+        raise ValueError(f"draw {draw} outside 0..{MAX_DRAWS - 1} (algorithm.dynamic_sampling.max_draws)")
+    return step * MAX_DRAWS + draw
+
+
+def eval_stream(step: int) -> int:
+    """The seed stream of the evaluation at `step`: negative, apart from every training stream."""
+    return -1 - step
+
+
+def sampling_seed(run_seed: int, stream: int) -> int:
+    return (run_seed * _SEED_STRIDE + stream * 7919) % _SEED_PRIME
 
 
 class Run:
@@ -174,7 +192,7 @@ class Run:
             prompts = self.loader.next_batch(want if draw == 0 else want - len({s.group for s in kept}))
             t = time.perf_counter()
             samples = self.rollout.generate(
-                prompt_requests(prompts, offset=draw * want), self._sampling(step * 64 + draw)
+                prompt_requests(prompts, offset=draw * want), self._sampling(train_stream(step, draw))
             )
             gen_s += time.perf_counter() - t
             reward_errors += self._score(samples)
@@ -210,7 +228,7 @@ class Run:
 
         cfg = self.cfg
         samples = self.rollout.generate(
-            prompt_requests(self.eval_prompts), self._sampling(-1 - step, eval=True)
+            prompt_requests(self.eval_prompts), self._sampling(eval_stream(step), eval=True)
         )
         responses = self._score(samples, return_responses=True)
         records = records_from_samples(samples, responses)
@@ -228,8 +246,7 @@ class Run:
     # ------------------------------------------------------------------------------------------------
 
     def _sampling(self, stream: int, eval: bool = False):
-        seed = (self.cfg.rollout.seed * _SEED_STRIDE + stream * 7919) % (2**31 - 1)
-        return sampling_spec(self.cfg, seed, eval=eval)
+        return sampling_spec(self.cfg, sampling_seed(self.cfg.rollout.seed, stream), eval=eval)
 
     def _score(self, samples: list[Sample], return_responses: bool = False):
         """Fill reward/acc/pred of every sample (with DAPO overlong shaping); the error count or responses."""

@@ -19,7 +19,7 @@ The model (figures per GPU; GiB = 2**30 bytes):
 - Trainer (FSDP2 over trainer.num_ranks): the frozen base sharded over the ranks, as trainer.base_format
   holds it: bf16, every weight in model.dtype; nvfp4, what the checkpoint stores in NVFP4 (the Linear
   layers: ~4.5 bits a weight) kept packed and the rest (router, norms, embeddings) in model.dtype. LoRA
-  parameters, gradients and AdamW moments in trainer.dtype, sharded (experts as the trainer holds them:
+  parameters, gradients and AdamW moments in float32, sharded (experts as the trainer holds them:
   gate_up fused, one A for both). Gathered: two decoder layers at once (the one computing and the next,
   prefetched) plus the embeddings and output; with the nvfp4 base the two layers arrive packed and the
   computing one is dequantized into a model.dtype buffer of its own. Activations of one micro-batch (each
@@ -614,7 +614,7 @@ def make_plan(cfg, gpu_gib: float | None = None) -> Plan:
     # ---- trainer ----
     ranks = tr.num_ranks
     lora_t = trainer_lora_params(cfg, s)
-    state_bytes = 4 * DTYPE_BYTES[tr.dtype]  # parameter, gradient, AdamW m and v
+    state_bytes = 4 * DTYPE_BYTES["float32"]  # parameter, gradient, AdamW m and v: fp32 LoRA masters
     base, base_why = trainer_base_format(cfg)
     tokens = tr.micro_batch_tokens or tr.micro_batch_size * (ro.max_prompt_len + ro.max_response_len)
     placement_ok, placement_why = _placement_verdict(cfg)

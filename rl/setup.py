@@ -7,6 +7,7 @@ The only place that turns the config tree into the small specs the workers take
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,11 +196,13 @@ def base_format(setting: str, model_path: str) -> str:
 
 def trainer_spec(cfg: SparkConfig, model_path: str):
     from rl.algo import AlgoConfig
+    from trainer.minibatch import steps_per_batch
     from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
 
     a, t, lo = cfg.algorithm, cfg.trainer, cfg.lora
+    rc = a.rollout_correction
     algo_cfg = AlgoConfig(
-        adv_estimator="drgrpo" if a.adv_estimator == "grpo" and not a.norm_adv_by_std else a.adv_estimator,
+        adv_estimator=a.adv_estimator,
         loss_mode=a.policy_loss,
         clip_ratio_low=a.clip_ratio_low,
         clip_ratio_high=a.clip_ratio_high,
@@ -207,10 +210,10 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
         loss_agg_mode=a.loss_agg_mode,
         loss_scale_factor=float(cfg.rollout.max_response_len),
         kl_coef=a.kl_coef,
+        entropy_coeff=a.entropy_coeff,
         tis_cap=a.rollout_correction.tis_cap or None,
-        mis_token_bounds=(a.rollout_correction.mis_low, a.rollout_correction.mis_high)
-        if a.rollout_correction.mis_high
-        else None,
+        # Either bound alone masks on its side only (0 = off: the other end stays open).
+        mis_token_bounds=(rc.mis_low, rc.mis_high or math.inf) if rc.mis_low or rc.mis_high else None,
     )
     max_seq = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     return TrainerSpec(
@@ -220,10 +223,10 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
             rank=lo.rank,
             alpha=lo.alpha,
             dropout=lo.dropout,
-            attention=bool(lo.target_modules),
+            modules=list(lo.target_modules),
             experts=lo.target_experts,
             latent=lo.target_latent,
-            extra=[lo.extra] if lo.extra else [],
+            extra=lo.extra,
         ),
         optim=OptimSpec(
             lr=t.lr,
@@ -231,11 +234,17 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
             eps=t.eps,
             weight_decay=t.weight_decay,
             warmup_steps=t.warmup_steps,
-            total_steps=t.total_steps * t.ppo_epochs,
+            # Optimizer steps of the run, for the schedule: a batch of data.train_batch_size prompts makes
+            # this many (dynamic sampling may keep more or fewer groups; the schedule assumes the full batch).
+            total_steps=t.total_steps
+            * steps_per_batch(cfg.data.train_batch_size, t.mini_batch_size, t.ppo_epochs),
             schedule=t.lr_schedule,
+            min_lr_ratio=t.min_lr_ratio,
             grad_clip=t.grad_clip,
         ),
         algo=algo_cfg,
+        mini_batch_size=t.mini_batch_size,
+        ppo_epochs=t.ppo_epochs,
         micro_batch_size=t.micro_batch_size,
         micro_batch_tokens=max(t.micro_batch_tokens, max_seq) if t.micro_batch_tokens else 0,
         max_seq_len=max_seq,

@@ -71,7 +71,7 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 AGENT_WAIT_S = 120.0
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # Config keys that may name a local file or directory (data specs may carry a ?query).
-PATH_KEYS = ("model.path", "model.rollout_path", "data.train", "data.val", "eval.data")
+PATH_KEYS = ("model.path", "model.rollout_path", "data.train", "eval.data")
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|API_KEY|CREDENTIAL", re.I)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from rl.batch import Sample
 from trainer.batching import split_by_tokens
+from trainer.minibatch import mini_batch_plan
 from trainer.spec import TrainerSpec
 from trainer.worker import TrainerWorker
 
@@ -45,6 +46,8 @@ class TrainerGroup:
         if num_ranks < 1:
             raise ValueError(f"TrainerGroup: num_ranks must be >= 1, got {num_ranks}")
         self.num_ranks = num_ranks
+        self.spec = spec
+        self.batches = 0  # train_step calls so far (restored by load_checkpoint): seeds the mini-batch order
         addr = master_addr or ray.util.get_node_ip_address()
         port = master_port or free_port()
         actor = ray.remote(TrainerWorker)
@@ -79,19 +82,38 @@ class TrainerGroup:
     def train_step(
         self, samples: list[Sample], advantages: list[float], old_logprobs: list[np.ndarray] | None = None
     ) -> dict[str, float]:
+        """One batch: `spec.ppo_epochs` passes of one optimizer step per mini-batch (trainer.minibatch).
+        Each mini-batch is split over the ranks by tokens; a rank gets every sample it trains on in any
+        step once, with the steps as lists of its local indices."""
         if len(advantages) != len(samples):
             raise ValueError(f"train_step: {len(advantages)} advantages for {len(samples)} samples")
-        parts = self._split(samples)
-        refs = [
-            w.train_step.remote(
-                [samples[i] for i in p],
-                [advantages[i] for i in p],
-                None if old_logprobs is None else [old_logprobs[i] for i in p],
-                p,
+        plan = mini_batch_plan(
+            [s.group for s in samples],
+            self.spec.mini_batch_size,
+            self.spec.ppo_epochs,
+            self.spec.seed,
+            self.batches,
+        )
+        per_rank: list[list[list[int]]] = [[] for _ in self.workers]  # rank -> step -> global indices
+        for step in plan:
+            for r, part in enumerate(self._split([samples[i] for i in step])):
+                per_rank[r].append([step[j] for j in part])
+        refs = []
+        for w, steps in zip(self.workers, per_rank):
+            held = sorted({i for step in steps for i in step})
+            local = {g: k for k, g in enumerate(held)}
+            refs.append(
+                w.train_step.remote(
+                    [samples[i] for i in held],
+                    [advantages[i] for i in held],
+                    None if old_logprobs is None else [old_logprobs[i] for i in held],
+                    held,
+                    [[local[i] for i in step] for step in steps],
+                )
             )
-            for w, p in zip(self.workers, parts)
-        ]
-        return ray.get(refs)[0]
+        metrics = ray.get(refs)[0]
+        self.batches += 1
+        return metrics
 
     def _on_all(self, method: str, *args):
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])
@@ -120,7 +142,8 @@ class TrainerGroup:
         self._on_all("save_checkpoint", directory)
 
     def load_checkpoint(self, directory: str) -> int:
-        return self._on_all("load_checkpoint", directory)[0]
+        self.batches = self._on_all("load_checkpoint", directory)[0]
+        return self.batches
 
     def shutdown(self) -> None:
         """Idempotent."""

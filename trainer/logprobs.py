@@ -13,7 +13,7 @@ log_softmax; entropy from the same fp32 logits, no gradient), so the values matc
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -44,13 +44,15 @@ class FinalHidden:
             self.value = None
 
 
-def _chunk(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+def _chunk(
+    head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool, entropy_grad: bool
+):
     logits = head(hidden).float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            entropy = algo.token_entropy(logits.detach())
+        with nullcontext() if entropy_grad else torch.no_grad():
+            entropy = algo.token_entropy(logits if entropy_grad else logits.detach())
     return logp, entropy
 
 
@@ -60,10 +62,11 @@ def head_logprobs(
     targets: torch.Tensor,
     chunk_tokens: int,
     with_entropy: bool,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [B, W, H] (the positions that predict `targets` [B, W]) -> log-probs of the targets [B, W]
     fp32 (with grad when enabled) and entropy [B, W] fp32 or None. chunk_tokens: rows per head call
-    (0 = all rows in one call)."""
+    (0 = all rows in one call). entropy_grad: the entropy carries grad too (the entropy bonus)."""
     shape = targets.shape
     rows = hidden.reshape(-1, hidden.shape[-1])
     flat = targets.reshape(-1)
@@ -72,9 +75,9 @@ def head_logprobs(
     logps, entropies = [], []
     for h, t in zip(rows.split(size), flat.split(size)):
         if grad:
-            lp, ent = checkpoint(_chunk, head, h, t, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(_chunk, head, h, t, with_entropy, entropy_grad, use_reentrant=False)
         else:
-            lp, ent = _chunk(head, h, t, with_entropy)
+            lp, ent = _chunk(head, h, t, with_entropy, entropy_grad)
         logps.append(lp)
         entropies.append(ent)
     if not logps:  # zero rows

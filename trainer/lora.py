@@ -8,6 +8,7 @@ with PEFT's `target_parameters`: per parameter one lora_A [r * E, in] (expert-ma
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +22,6 @@ if TYPE_CHECKING:  # trainer.spec imports verl (rl.algo); this module runs witho
     from trainer.spec import LoraSpec
 
 ADAPTER_NAME = "default"
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 LATENT_MODULES = ("pooler", "unpooler")  # Muse Spark Open's latent MoE projections
 FROZEN_MODULES = ("gate", "router")  # routers: their logits feed the routing weights but stay frozen
 
@@ -42,28 +42,43 @@ def expert_parameter_targets(model: nn.Module) -> list[str]:
     return out
 
 
+def _extra_modules(model: nn.Module, pattern: str) -> list[str]:
+    """Full names of the modules `pattern` matches in full (re.fullmatch, as lora.extra documents)."""
+    names = [name for name, _ in model.named_modules() if name and re.fullmatch(pattern, name)]
+    if not names:
+        raise ValueError(f"lora.extra: {pattern!r} matches no module name of {type(model).__name__}")
+    routers = [n for n in names if n.rsplit(".", 1)[-1] in FROZEN_MODULES]
+    if routers:
+        raise ValueError(f"lora.extra: {pattern!r} matches the router {routers[0]!r}; routers stay frozen")
+    return names
+
+
 def lora_config(model: nn.Module, spec: LoraSpec, init_lora_weights: bool = True) -> LoraConfig:
-    """init_lora_weights=False draws B at random too (PEFT's meaning): tests use it so that gradients
+    """PEFT's config for exactly the named targets: each of spec.modules (a last path component) wherever
+    the model has it, the latent projections, the full names spec.extra matches, and the fused experts.
+    init_lora_weights=False draws B at random too (PEFT's meaning): tests use it so that gradients
     reach A; training starts from PEFT's default, B = 0 (the adapter is a no-op at step 0)."""
     present = _module_names(model)
     modules: list[str] = []
-    if spec.attention:
-        modules += [m for m in ATTENTION_MODULES if m in present]
-    if spec.latent:
-        modules += [m for m in LATENT_MODULES if m in present]
-    for m in spec.extra:
+    for m in spec.modules:
         if m in FROZEN_MODULES:
-            raise ValueError(f"lora.extra: {m!r} is a router; routers stay frozen")
+            raise ValueError(f"lora.target_modules: {m!r} is a router; routers stay frozen")
         if m not in present:
-            raise ValueError(f"lora.extra: the model has no module named {m!r}")
-        modules.append(m)
+            raise ValueError(f"lora.target_modules: the model has no module named {m!r}")
+        if m not in modules:
+            modules.append(m)
+    if spec.latent:
+        modules += [m for m in LATENT_MODULES if m in present and m not in modules]
+    if spec.extra:
+        # Full names: PEFT matches a listed name as the whole module name or its last components.
+        modules += [m for m in _extra_modules(model, spec.extra) if m not in modules]
     params = expert_parameter_targets(model) if spec.experts else []
     if spec.experts and not params:
         raise ValueError(f"lora: experts=True but {type(model).__name__} has no fused expert parameters")
     if params and spec.dropout:
         raise ValueError("lora.dropout must be 0 with expert targets (PEFT cannot apply dropout to them)")
     if not modules and not params:
-        raise ValueError("lora: no target modules or parameters; set attention, experts, latent or extra")
+        raise ValueError("lora: no target modules or parameters; set modules, experts, latent or extra")
     return LoraConfig(
         r=spec.rank,
         lora_alpha=spec.alpha,

@@ -19,10 +19,11 @@ class LoraSpec:
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    attention: bool = True  # q/k/v/o projections
+    # Module names (last path component), each one adapted wherever the model has it; every name must exist
+    modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     experts: bool = True  # the fused routed experts (PEFT target_parameters)
     latent: bool = False  # latent MoE pooler/unpooler (Muse; ignored by models that have none)
-    extra: list[str] = field(default_factory=list)  # more module names (last path component)
+    extra: str = ""  # regex, matched in full (re.fullmatch) against full module names; "" = none
     # PEFT's meaning: True = B starts at 0 (a no-op adapter); False = B random too (tests: gradients reach A)
     init_lora_weights: bool = True
 
@@ -47,6 +48,8 @@ class TrainerSpec:
     lora: LoraSpec = field(default_factory=LoraSpec)
     optim: OptimSpec = field(default_factory=OptimSpec)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    mini_batch_size: int = 0  # prompts (whole groups) per optimizer step; 0 = the whole batch
+    ppo_epochs: int = 1  # passes over each batch
     micro_batch_size: int = 0  # samples per forward/backward (0 = no limit)
     micro_batch_tokens: int = 0  # padded tokens per forward/backward (0 = no limit)
     max_seq_len: int = 4096  # prompt + response; a longer sample is an error
@@ -75,6 +78,11 @@ class TrainerSpec:
         if self.optim.schedule not in SCHEDULES:
             raise ValueError(
                 f"TrainerSpec.optim.schedule must be one of {SCHEDULES}, got {self.optim.schedule!r}"
+            )
+        if self.mini_batch_size < 0 or self.ppo_epochs < 1:
+            raise ValueError(
+                f"TrainerSpec: mini_batch_size must be >= 0 and ppo_epochs >= 1, got {self.mini_batch_size}, "
+                f"{self.ppo_epochs}"
             )
         if self.micro_batch_size < 0 or self.micro_batch_tokens < 0:
             raise ValueError("TrainerSpec.micro_batch_size and micro_batch_tokens must be >= 0")

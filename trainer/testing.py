@@ -37,8 +37,11 @@ def live_routing(model, token_ids: list[int]) -> np.ndarray:
     return torch.stack(picked, dim=1)[:-1].numpy().astype(np.uint8)
 
 
-def reference_logprobs(model, sample: Sample, replay: RoutingReplay | None) -> torch.Tensor:
-    """Response-token log-probs [R] of one sample, computed alone (grad follows torch's grad mode)."""
+def reference_logprobs(
+    model, sample: Sample, replay: RoutingReplay | None, with_entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Response-token log-probs [R] of one sample, computed alone (grad follows torch's grad mode); with
+    with_entropy, (log-probs, entropies [R])."""
     ids = sample.prompt_ids + sample.response_ids
     n, p = len(ids), len(sample.prompt_ids)
     ctx = nullcontext()
@@ -49,16 +52,26 @@ def reference_logprobs(model, sample: Sample, replay: RoutingReplay | None) -> t
     with ctx:
         logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
     logp = torch.log_softmax(logits[p - 1 : n - 1], dim=-1)
-    return logp.gather(-1, torch.tensor(sample.response_ids)[:, None]).squeeze(-1)
+    picked = logp.gather(-1, torch.tensor(sample.response_ids)[:, None]).squeeze(-1)
+    if with_entropy:
+        return picked, -(logp.exp() * logp).sum(-1)
+    return picked
 
 
 def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
-def reference_loss(model, samples, advantages, old_logprobs, cfg: algo.AlgoConfig, replay) -> tuple:
-    """The whole batch's GRPO loss, unsplit (the normalisers are this batch's own counts)."""
-    logp = _pad([reference_logprobs(model, s, replay) for s in samples])
+def reference_loss(
+    model, samples, advantages, old_logprobs, cfg: algo.AlgoConfig, replay, ref_logprobs=None
+) -> tuple:
+    """The whole batch's GRPO loss, unsplit (the normalisers are this batch's own counts), with cfg's KL
+    term (ref_logprobs: the reference's per-sample log-probs) and entropy bonus."""
+    if cfg.entropy_coeff:
+        pairs = [reference_logprobs(model, s, replay, with_entropy=True) for s in samples]
+        logp, entropy = _pad([lp for lp, _ in pairs]), _pad([e for _, e in pairs])
+    else:
+        logp, entropy = _pad([reference_logprobs(model, s, replay) for s in samples]), None
     mask = _pad([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples])
     old = _pad([torch.as_tensor(o) for o in old_logprobs]) if old_logprobs is not None else logp.detach()
     return algo.policy_loss(
@@ -71,4 +84,9 @@ def reference_loss(model, samples, advantages, old_logprobs, cfg: algo.AlgoConfi
         clip_ratio_high=cfg.clip_ratio_high,
         clip_ratio_c=cfg.clip_ratio_c,
         loss_agg_mode=cfg.loss_agg_mode,
+        ref_log_prob=None if ref_logprobs is None else _pad([torch.as_tensor(r) for r in ref_logprobs]),
+        kl_coef=cfg.kl_coef,
+        kl_type=cfg.kl_type,
+        entropy=entropy,
+        entropy_coeff=cfg.entropy_coeff,
     )

@@ -53,6 +53,7 @@ class _Prepared:
     dummy: bool
     advantages: torch.Tensor | None = None
     old_log_prob: torch.Tensor | None = None
+    ref_log_prob: torch.Tensor | None = None  # the base model's (KL to the reference)
     loss_mask: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
     correction: dict[str, float] | None = None  # rollout_corr/* metrics, means over response tokens
@@ -174,8 +175,11 @@ class TrainerWorker:
             return nullcontext()
         return self.replay.active(mb.routed.to(self.device), mb.routed_valid.to(self.device))
 
-    def _forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> log-probs of the targets [B, W] fp32 (with grad when enabled), entropy [B, W] or None."""
+    def _forward(
+        self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> log-probs of the targets [B, W] fp32 (with grad when enabled), entropy [B, W] or None (with
+        grad only when entropy_grad: the entropy bonus)."""
         with self.final_hidden.taken():
             self.model(
                 input_ids=mb.input_ids.to(self.device),
@@ -190,6 +194,7 @@ class TrainerWorker:
             mb.targets.to(self.device),
             self.spec.logits_chunk_tokens,
             with_entropy,
+            entropy_grad,
         )
 
     def _replay_fraction(self, mbs) -> float:
@@ -209,29 +214,48 @@ class TrainerWorker:
         {"r3/replayed_fraction", "actor/entropy"}. No dropout, no gradients. sample_ids: the samples'
         positions in the whole batch (error messages name them)."""
         self._agree(lambda: self._check_samples(samples, sample_ids))
+        policy, _, metrics = self._scoring_pass(samples, policy=True, reference=False)
+        return policy, metrics
+
+    @torch.no_grad()
+    def _scoring_pass(
+        self, samples: list[Sample], policy: bool, reference: bool
+    ) -> tuple[list[np.ndarray] | None, list[np.ndarray] | None, dict[str, float]]:
+        """One no-grad pass over the samples' micro-batches (inputs checked by the caller): the policy's
+        log-probs (adapter on) and/or the reference's (the base model: adapter switched off, no second copy
+        of the weights), each micro-batch under one routing replay for both. -> (policy, reference,
+        metrics); the metrics, {"r3/replayed_fraction", "actor/entropy"}, come with the policy's."""
         self.model.eval()
         mbs = self._micro_batches(samples)
-        result: list[np.ndarray | None] = [None] * len(samples)
+        out = {"policy": [None] * len(samples), "reference": [None] * len(samples)}
         ent_sum = ent_n = 0.0
         for mb, idx, dummy in mbs:
             with self._routing(mb):
-                logp, ent = self._forward(mb, with_entropy=True)
-            if dummy:
-                continue
-            for i, v in zip(idx, mb.gather(logp)):
-                result[i] = v
-            mask = mb.response_mask.to(self.device)
-            ent_sum += float(ent[mask].sum())
-            ent_n += float(mask.sum())
-        ent_sum, ent_n = self._all_reduce([ent_sum, ent_n])
-        metrics = {
-            "r3/replayed_fraction": self._replay_fraction(mbs),
-            "actor/entropy": ent_sum / ent_n if ent_n else 0.0,
-        }
-        if not self._base_bytes_reported:  # once per run: the first log-probs of the first step
-            metrics["trainer/base_bytes"] = float(self.base_bytes)
-            self._base_bytes_reported = True
-        return result, metrics
+                if policy:
+                    logp, ent = self._forward(mb, with_entropy=True)
+                    if not dummy:
+                        mask = mb.response_mask.to(self.device)
+                        ent_sum += float(ent[mask].sum())
+                        ent_n += float(mask.sum())
+                        for i, v in zip(idx, mb.gather(logp)):
+                            out["policy"][i] = v
+                if reference:
+                    with self.model.disable_adapter():
+                        ref, _ = self._forward(mb, with_entropy=False)
+                    if not dummy:
+                        for i, v in zip(idx, mb.gather(ref)):
+                            out["reference"][i] = v
+        metrics = {}
+        if policy:
+            ent_sum, ent_n = self._all_reduce([ent_sum, ent_n])
+            metrics = {
+                "r3/replayed_fraction": self._replay_fraction(mbs),
+                "actor/entropy": ent_sum / ent_n if ent_n else 0.0,
+            }
+            if not self._base_bytes_reported:  # once per run: the first log-probs of the first step
+                metrics["trainer/base_bytes"] = float(self.base_bytes)
+                self._base_bytes_reported = True
+        return (out["policy"] if policy else None), (out["reference"] if reference else None), metrics
 
     def _correction_on(self) -> bool:
         a = self.spec.algo
@@ -245,7 +269,7 @@ class TrainerWorker:
             keys.append("rollout_corr/mis_masked_frac")
         return keys
 
-    def _prepare(self, mb, idx, dummy, samples, advantages, old_logprobs) -> _Prepared:
+    def _prepare(self, mb, idx, dummy, samples, advantages, old_logprobs, ref_logprobs) -> _Prepared:
         if dummy:
             return _Prepared(mb, True, loss_mask=torch.zeros(mb.targets.shape, dtype=torch.bool))
         p = _Prepared(
@@ -253,6 +277,8 @@ class TrainerWorker:
         )
         if old_logprobs is not None:
             p.old_log_prob = mb.scatter([old_logprobs[i] for i in idx])
+        if ref_logprobs is not None:
+            p.ref_log_prob = mb.scatter([ref_logprobs[i] for i in idx])
         if self._correction_on():
             a = self.spec.algo
             rollout = mb.scatter([samples[i].response_logprobs for i in idx])
@@ -262,7 +288,7 @@ class TrainerWorker:
             p.loss_mask = keep.bool()
         return p
 
-    def _check_step_inputs(self, samples, advantages, old_logprobs, sample_ids) -> None:
+    def _check_step_inputs(self, samples, advantages, old_logprobs, sample_ids, mini_batches) -> None:
         self._check_samples(samples, sample_ids)
         if len(advantages) != len(samples):
             raise ValueError(f"train_step: {len(advantages)} advantages for {len(samples)} samples")
@@ -276,6 +302,10 @@ class TrainerWorker:
                     raise ValueError(
                         f"train_step: old_logprobs[{i}] has {len(o)} values for {len(s.response_ids)} tokens"
                     )
+        if mini_batches is not None:
+            bad = [i for step in mini_batches for i in step if not 0 <= i < len(samples)]
+            if bad:
+                raise ValueError(f"train_step: mini_batches index {bad[0]}, but this rank has {len(samples)}")
 
     def train_step(
         self,
@@ -283,28 +313,84 @@ class TrainerWorker:
         advantages: list[float],
         old_logprobs: list[np.ndarray] | None = None,
         sample_ids: list[int] | None = None,
+        mini_batches: list[list[int]] | None = None,
     ) -> dict[str, float]:
-        """One optimizer step on this rank's shard of the batch. old_logprobs None = on-policy (the
-        current log-probs, detached, are the old ones; or computed first when TIS/MIS needs them)."""
+        """One batch on this rank's samples: one optimizer and scheduler step per entry of mini_batches
+        (indices into `samples`; every rank the same number of entries, any of them empty; None = one step
+        over all samples). old_logprobs None = on-policy: with a single step and no TIS/MIS, the current
+        log-probs, detached, are the old ones; otherwise a pass before the first update computes them.
+        With algo.kl_coef > 0 that pass also computes the reference's (the adapter switched off).
+        Loss normalisers are each mini-batch's own (tokens or sequences over all ranks); actor/* metrics
+        are means over the mini-batches, actor/lr the first step's."""
         t0 = time.perf_counter()
-        self._agree(lambda: self._check_step_inputs(samples, advantages, old_logprobs, sample_ids))
-        if old_logprobs is None and self._correction_on():
-            old_logprobs, _ = self.log_probs(samples)
+        self._agree(
+            lambda: self._check_step_inputs(samples, advantages, old_logprobs, sample_ids, mini_batches)
+        )
+        steps = mini_batches if mini_batches is not None else [list(range(len(samples)))]
+        counts = self._all_reduce([len(steps), -len(steps)], dist.ReduceOp.MAX)
+        if counts[0] != -counts[1]:
+            raise ValueError(f"train_step: ranks disagree on the number of mini-batches ({counts})")
+        need_old = old_logprobs is None and (len(steps) > 1 or self._correction_on())
+        ref_logprobs = None
+        if need_old or self.spec.algo.kl_coef:
+            old, ref_logprobs, _ = self._scoring_pass(
+                samples, policy=need_old, reference=bool(self.spec.algo.kl_coef)
+            )
+            if need_old:
+                old_logprobs = old
+
+        per_step, lrs, skipped, replayed_rows, token_rows = [], [], 0, 0.0, 0.0
+        for k, idx in enumerate(steps):
+            m, mbs = self._optimizer_step(
+                [samples[i] for i in idx],
+                _pick(advantages, idx),
+                _pick(old_logprobs, idx),
+                _pick(ref_logprobs, idx),
+                k,
+            )
+            lrs.append(m.pop("lr"))
+            skipped += int(m.pop("skipped"))
+            per_step.append(m)
+            replayed_rows += sum(mb.replayed_rows for mb, _, d in mbs if not d)
+            token_rows += sum(mb.token_rows for mb, _, d in mbs if not d)
+        self.step += 1
+        metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
+        rows, total = self._all_reduce([replayed_rows, token_rows])
+        metrics.update(
+            {
+                "actor/lr": lrs[0],
+                "actor/optimizer_steps": float(len(steps) - skipped),
+                "actor/skipped_step": float(skipped),
+                "r3/replayed_fraction": rows / total if total else 0.0,
+                "perf/train_tokens": total,  # token rows trained on, summed over the mini-batches
+                "perf/train_s": time.perf_counter() - t0,
+            }
+        )
+        return metrics
+
+    def _optimizer_step(self, samples, advantages, old_logprobs, ref_logprobs, k: int):
+        """Forward/backward over one mini-batch's micro-batches, then one optimizer and scheduler step.
+        -> (metrics of this step, its micro-batches)."""
         a = self.spec.algo
         self.model.train()
         mbs = self._micro_batches(samples)
-        prepared = [self._prepare(mb, idx, d, samples, advantages, old_logprobs) for mb, idx, d in mbs]
+        prepared = [
+            self._prepare(mb, idx, d, samples, advantages, old_logprobs, ref_logprobs) for mb, idx, d in mbs
+        ]
         counts = [algo.loss_normalisers(p.loss_mask) for p in prepared]
         tokens, seqs = self._all_reduce([sum(c[0] for c in counts), sum(c[1] for c in counts)])
         if tokens == 0:
-            raise ValueError("train_step: no response token to train on (every token masked out)")
+            raise ValueError(f"train_step: mini-batch {k} has no response token to train on (all masked out)")
 
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
-        sums = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/entropy": 0.0}
+        shares = ["actor/pg_loss"] + (["actor/kl_loss"] if a.kl_coef else [])
+        shares += ["actor/entropy_loss"] if a.entropy_coeff else []
+        weighted = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy")
+        sums = dict.fromkeys(shares + list(weighted), 0.0)
         for p in prepared:
             with self._routing(p.mb):
-                logp, ent = self._forward(p.mb, with_entropy=not p.dummy)
+                logp, ent = self._forward(p.mb, with_entropy=not p.dummy, entropy_grad=bool(a.entropy_coeff))
                 if p.dummy:
                     # Zero loss, but the backward runs: FSDP2's gradient reduction must happen on every rank.
                     (logp.sum() * 0.0).backward()
@@ -324,50 +410,43 @@ class TrainerWorker:
                     global_num_seqs=int(seqs),
                     loss_scale_factor=a.loss_scale_factor,
                     is_weights=None if p.is_weights is None else p.is_weights.to(self.device),
+                    ref_log_prob=None if p.ref_log_prob is None else p.ref_log_prob.to(self.device),
+                    kl_coef=a.kl_coef,
+                    kl_type=a.kl_type,
                     entropy=ent,
+                    entropy_coeff=a.entropy_coeff,
                 )
                 loss.backward()
             n = float(p.loss_mask.sum())
-            sums["actor/pg_loss"] += m["actor/pg_loss"]  # already this micro-batch's share of the step
-            for k in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"):
-                sums[k] += m[k] * n  # micro-batch means -> token-weighted global means
-        # TIS/MIS metrics: token-weighted over the step; the key list is fixed by the config so that every
-        # rank all-reduces the same list.
+            for key in shares:
+                sums[key] += m[key]  # already this micro-batch's share of the mini-batch's loss
+            for key in weighted:
+                sums[key] += m[key] * n  # micro-batch means -> token-weighted means over the mini-batch
+        # TIS/MIS metrics: token-weighted over the mini-batch; the key list is fixed by the config so that
+        # every rank all-reduces the same list.
         corr_keys = self._correction_keys()
         corr_tokens = 0.0
         for p in prepared:
             if p.correction is not None:
                 r = float(p.mb.response_mask.sum())
                 corr_tokens += r
-                for k in corr_keys:
-                    sums[k] = sums.get(k, 0.0) + p.correction.get(k, 0.0) * r
-        keys = list(sums.keys() | set(corr_keys))
-        keys.sort()
-        reduced = self._all_reduce([sums.get(k, 0.0) for k in keys] + [corr_tokens])
+                for key in corr_keys:
+                    sums[key] = sums.get(key, 0.0) + p.correction.get(key, 0.0) * r
+        keys = sorted(sums.keys() | set(corr_keys))
+        reduced = self._all_reduce([sums.get(key, 0.0) for key in keys] + [corr_tokens])
         metrics = dict(zip(keys, reduced[:-1]))
-        for k in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"):
-            metrics[k] /= tokens
-        for k in corr_keys:
-            metrics[k] /= max(reduced[-1], 1.0)
+        for key in weighted:
+            metrics[key] /= tokens
+        for key in corr_keys:
+            metrics[key] /= max(reduced[-1], 1.0)
 
         grad_norm = self._clip_gradients()
         skipped = not np.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
         self.scheduler.step()
-        self.step += 1
-        train_tokens = self._all_reduce([sum(mb.token_rows for mb, _, d in mbs if not d)])[0]
-        metrics.update(
-            {
-                "actor/grad_norm": grad_norm,
-                "actor/lr": lr,
-                "actor/skipped_step": float(skipped),
-                "r3/replayed_fraction": self._replay_fraction(mbs),
-                "perf/train_tokens": train_tokens,
-                "perf/train_s": time.perf_counter() - t0,
-            }
-        )
-        return metrics
+        metrics.update({"actor/grad_norm": grad_norm, "lr": lr, "skipped": skipped})
+        return metrics, mbs
 
     def _clip_gradients(self) -> float:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -500,6 +579,10 @@ class TrainerWorker:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _pick(values: list | None, idx: list[int]) -> list | None:
+    return None if values is None else [values[i] for i in idx]
 
 
 def _rng_state() -> dict:

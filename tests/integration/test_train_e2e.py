@@ -33,6 +33,7 @@ STEP_KEYS = [
     "actor/entropy",
     "actor/grad_norm",
     "actor/lr",
+    "actor/optimizer_steps",
     "r3/replayed_fraction",
     "perf/step_s",
     "perf/rollout_s",
@@ -73,7 +74,10 @@ def test_three_steps_resume_and_a_killed_rollout_worker(tmp_path, ray_cluster, t
 
     from rl.driver import Run
 
-    cfg = _cfg(tmp_path, "e2e", ["trainer.total_steps=3", "trainer.checkpoint_every=2"])
+    # Mini-batches of 2 prompts: 2 optimizer steps a batch of 4, so the resume covers a batch of several.
+    cfg = _cfg(
+        tmp_path, "e2e", ["trainer.total_steps=3", "trainer.checkpoint_every=2", "trainer.mini_batch_size=2"]
+    )
     run = Run(cfg)
     try:
         # Kill the rollout worker after step 1: the pool recreates it, replays the weights, and goes on.
@@ -99,6 +103,7 @@ def test_three_steps_resume_and_a_killed_rollout_worker(tmp_path, ray_cluster, t
         assert not bad, f"step {r['step']} has non-finite {bad}"
         assert r["adapter/version"] == r["step"]  # the rollout workers got a new policy every step
         assert r["rollout_corr/k3_kl"] < 1e-3
+        assert r["actor/optimizer_steps"] == 2
     assert any(k.startswith("val-core/synthetic/arith/acc/mean@4") for k in records[2])
     assert (tmp_path / "e2e" / "eval" / "step_2.jsonl").exists()
     assert (tmp_path / "e2e" / "report" / "report.md").exists() and summary["steps"] == 3
@@ -119,7 +124,7 @@ def test_three_steps_resume_and_a_killed_rollout_worker(tmp_path, ray_cluster, t
     first = records[3]
     for key in ("reward/mean", "acc/mean", "response_length/mean", "batch/kept_groups"):
         assert again[key] == first[key], key
-    for key in ("actor/pg_loss", "actor/grad_norm", "rollout_corr/k3_kl", "actor/entropy"):
+    for key in ("actor/pg_loss", "actor/grad_norm", "rollout_corr/k3_kl", "actor/entropy", "actor/ppo_kl"):
         assert again[key] == pytest.approx(first[key], rel=1e-6, abs=1e-9), key
 
 

@@ -61,7 +61,7 @@ def _model(mesh, compile: bool, dtype=torch.bfloat16, budget: float = 0.0):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(make_tiny("muse"), dtype=torch.bfloat16).to(dtype)
-    spec = LoraSpec(rank=8, alpha=16.0, attention=True, experts=True, latent=True)
+    spec = LoraSpec(rank=8, alpha=16.0, experts=True, latent=True)
     model = apply_lora(base, spec, seed=2, init_lora_weights=False)
     replay = RoutingReplay(base)
     parallelize(

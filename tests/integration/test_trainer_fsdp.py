@@ -1,9 +1,11 @@
 """The trainer on 2 gloo ranks (real Ray actors through TrainerGroup, FSDP2, activation checkpointing,
 R3) against a plain single-process reference of the same math (trainer.testing: one sequence at a time,
-no padding, no FSDP). No fakes; the LoRA B matrices start random (not PEFT's zeros) so that every
+no padding, no FSDP): one optimizer step, then PPO mini-batches over two epochs with the KL loss and the
+entropy bonus, and resume. No fakes; the LoRA B matrices start random (not PEFT's zeros) so that every
 gradient is non-zero and the comparison means something."""
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -16,6 +18,8 @@ from rl.models.tiny import make_tiny
 from trainer.checkpoint_io import write_adapter
 from trainer.group import TrainerGroup
 from trainer.lora import apply_lora
+from trainer.minibatch import mini_batch_plan
+from trainer.optim import make_optimizer
 from trainer.routing_replay import RoutingReplay
 from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
 from trainer.testing import live_routing, random_samples, reference_logprobs, reference_loss
@@ -26,8 +30,8 @@ OPTIM = OptimSpec(
 )
 
 
-def make_spec() -> TrainerSpec:
-    return TrainerSpec(
+def make_spec(**changes) -> TrainerSpec:
+    spec = TrainerSpec(
         model_path=str(make_tiny("qwen3_moe")),
         dtype="float32",  # exact comparisons on CPU; bf16 compute is the GPU default
         # rank 8: a rank the grouped expert path (trainer/lora_experts.py, GPU only) would take
@@ -40,6 +44,18 @@ def make_spec() -> TrainerSpec:
         activation_checkpointing=True,
         seed=1,
     )
+    return dataclasses.replace(spec, **changes)
+
+
+# One prompt (2 samples: random_samples' groups) per optimizer step, two epochs, the KL loss to the base
+# model and the entropy bonus on; a smaller lr keeps Adam's ill-conditioned elements (|g| ~ eps, where
+# rounding moves a step by up to lr) from drifting the two sides apart over six steps.
+MB_ALGO = dataclasses.replace(ALGO, kl_coef=0.1, entropy_coeff=0.01)
+MB_OPTIM = dataclasses.replace(OPTIM, lr=1e-3, weight_decay=0.0)
+
+
+def mb_spec() -> TrainerSpec:
+    return make_spec(mini_batch_size=1, ppo_epochs=2, algo=MB_ALGO, optim=MB_OPTIM)
 
 
 @pytest.fixture(scope="module")
@@ -198,32 +214,96 @@ def test_bad_input_is_named_and_no_rank_hangs(group, batch, tmp_path):
     assert len(logps) == len(samples)
 
 
-def test_resume_gives_the_same_next_step(group, batch, tmp_path):
-    """Last in this file: it replaces the module's group by a fresh one."""
+def test_mini_batches_epochs_kl_and_entropy_match_the_reference(group, batch):
+    """Six optimizer steps over one batch (3 prompts x 2 epochs), on-policy (old log-probs from the pass
+    before the first update), against the same steps taken by the single-process reference."""
+    samples, advantages, _, _ = batch
+    group.shutdown()  # this file's 2 CPUs hold one group at a time
+    spec = mb_spec()
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
+    model = apply_lora(base, spec.lora, spec.seed, init_lora_weights=False)
+    model.eval()
+    replay = RoutingReplay(base)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt, sched = make_optimizer(params, spec.optim)
+    with torch.no_grad():
+        old = [reference_logprobs(model, s, replay) for s in samples]
+        with model.disable_adapter():
+            ref = [reference_logprobs(model, s, replay) for s in samples]
+    plan = mini_batch_plan([s.group for s in samples], 1, 2, spec.seed, 0)
+    assert len(plan) == 6 and all(len(step) in (1, 2) for step in plan)  # groups of 2, 2 and 1
+    want = {"actor/pg_loss": [], "actor/kl_loss": [], "actor/entropy_loss": [], "actor/ppo_kl": []}
+    lrs = []
+    for step in plan:
+
+        def pick(xs, step=step):
+            return [xs[i] for i in step]
+
+        opt.zero_grad(set_to_none=True)
+        loss, m = reference_loss(
+            model, pick(samples), pick(advantages), pick(old), MB_ALGO, replay, ref_logprobs=pick(ref)
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, spec.optim.grad_clip)
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        for k in want:
+            want[k].append(m[k])
+
+    mb = TrainerGroup(spec, num_ranks=2)
+    try:
+        got = mb.train_step(samples, advantages)
+        assert got["actor/optimizer_steps"] == 6
+        assert got["actor/lr"] == pytest.approx(lrs[0])
+        for k, values in want.items():
+            assert got[k] == pytest.approx(np.mean(values), rel=2e-3, abs=1e-4), k
+        # The first mini-batch trains on-policy (ratio 1); the later ones see a moved policy.
+        assert want["actor/ppo_kl"][0] == pytest.approx(0.0, abs=1e-7) and abs(got["actor/ppo_kl"]) > 1e-6
+        assert got["actor/kl_loss"] > 0  # the adapter (random B) moves the policy off the base model
+        logps, _ = mb.log_probs(samples)
+        with torch.no_grad():
+            after = [reference_logprobs(model, s, replay) for s in samples]
+        for g, w in zip(logps, after):
+            np.testing.assert_allclose(g, w.numpy(), atol=1e-3)
+    finally:
+        mb.shutdown()
+
+
+def test_resume_gives_the_same_next_step(batch, tmp_path):
+    """Last in this file: with mini-batches (6 optimizer steps a batch), a step after a resume, in the same
+    processes and in fresh ones, equals the uninterrupted step bit for bit."""
     samples, advantages, old, _ = batch
     second = random_samples(4, seed=11)
     adv2 = [0.5, -1.0, 1.5, -0.2]
-    group.train_step(samples, advantages, old)
-    group.save_checkpoint(str(tmp_path / "ckpt"))
-    uninterrupted = group.train_step(second, adv2)
-    after, _ = group.export_adapter()
+    group = TrainerGroup(mb_spec(), num_ranks=2)
+    try:
+        first = group.train_step(samples, advantages, old)
+        assert first["actor/optimizer_steps"] == 6
+        group.save_checkpoint(str(tmp_path / "ckpt"))
+        uninterrupted = group.train_step(second, adv2)
+        assert uninterrupted["actor/optimizer_steps"] == 4  # 2 prompts x 2 epochs
+        after, _ = group.export_adapter()
 
-    step = group.load_checkpoint(str(tmp_path / "ckpt"))
-    assert step >= 1
-    resumed = group.train_step(second, adv2)
-    again, _ = group.export_adapter()
-    for k in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/entropy"):
-        assert resumed[k] == uninterrupted[k], k  # exactly
-    for k in after:
-        assert torch.equal(after[k], again[k]), k
+        step = group.load_checkpoint(str(tmp_path / "ckpt"))
+        assert step == 1
+        resumed = group.train_step(second, adv2)
+        again, _ = group.export_adapter()
+        for k in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/entropy", "actor/kl_loss"):
+            assert resumed[k] == uninterrupted[k], k  # exactly
+        for k in after:
+            assert torch.equal(after[k], again[k]), k
+    finally:
+        group.shutdown()
 
     # A fresh set of processes (a restarted run) resumes to the same step too.
-    group.shutdown()
-    fresh = TrainerGroup(make_spec(), num_ranks=2)
+    fresh = TrainerGroup(mb_spec(), num_ranks=2)
     try:
         assert fresh.load_checkpoint(str(tmp_path / "ckpt")) == step
         restarted = fresh.train_step(second, adv2)
-        for k in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/entropy"):
+        for k in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/entropy", "actor/kl_loss"):
             assert restarted[k] == uninterrupted[k], k
         final, _ = fresh.export_adapter()
         assert all(torch.equal(after[k], final[k]) for k in after)

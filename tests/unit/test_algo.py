@@ -232,6 +232,26 @@ def test_is_weights_kl_term_and_entropy_metric():
     assert m["actor/entropy"] == approx(1.5)
 
 
+def test_entropy_bonus_is_subtracted_aggregated_and_carries_gradient():
+    lp, mask = torch.zeros(1, 3, dtype=torch.float64), T([[1.0, 1.0, 0.0]])
+    ent = torch.tensor([[1.0, 2.0, 99.0]], dtype=torch.float64, requires_grad=True)
+    loss, m = algo.policy_loss(lp, lp, T([1.0]), mask, entropy=ent, entropy_coeff=0.1)
+    assert m["actor/entropy_loss"] == approx(1.5) and m["actor/entropy"] == approx(1.5)
+    assert loss.item() == approx(m["actor/pg_loss"] - 0.1 * 1.5)
+    loss.backward()
+    assert ent.grad[0].tolist() == approx([-0.05, -0.05, 0.0])  # -coeff / tokens on the mask, 0 off it
+    with pytest.raises(ValueError, match="entropy is required when entropy_coeff != 0"):
+        algo.policy_loss(lp, lp, T([1.0]), mask, entropy_coeff=0.1)
+
+
+def test_one_mis_bound_alone_masks_its_side_only():
+    old = torch.log(T([[0.4, 1.0, 2.5], [1.0, 1.9, 1.0]]))
+    _, low_only, _ = algo.rollout_correction(old, torch.zeros(2, 3), MASK2, mis_token_bounds=(0.5, math.inf))
+    assert low_only.tolist() == [[0, 1, 1], [1, 1, 0]]
+    _, high_only, _ = algo.rollout_correction(old, torch.zeros(2, 3), MASK2, mis_token_bounds=(0.0, 2.0))
+    assert high_only.tolist() == [[1, 1, 0], [1, 1, 0]]
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     log_ratio=st.floats(-5, 5),

@@ -119,3 +119,23 @@ def test_compiled_gpu_trainer_announces_its_long_first_step():
     assert compile_notice(_cfg(*gpus, "trainer.compile=false")) is None
     notice = compile_notice(_cfg(*gpus))
     assert notice and "first step compiles" in notice and "trainer.compile=false" in notice
+
+
+def test_every_draw_of_every_step_and_every_eval_gets_its_own_sampling_seed():
+    from rl.config import MAX_DRAWS, ConfigError
+    from rl.driver import eval_stream, sampling_seed, train_stream
+
+    for run_seed in (0, 7):
+        train = [sampling_seed(run_seed, train_stream(s, d)) for s in range(1, 301) for d in range(MAX_DRAWS)]
+        evals = [sampling_seed(run_seed, eval_stream(s)) for s in range(0, 301)]
+        assert len(set(train)) == len(train) and len(set(evals)) == len(evals)
+        assert not set(train) & set(evals)
+        assert all(0 <= x < 2**31 - 1 for x in train + evals)
+    # The draw that would reach the next step's streams is refused, by the config and by the driver.
+    with pytest.raises(ValueError, match="draw 64 outside 0..63"):
+        train_stream(1, MAX_DRAWS)
+    with pytest.raises(ConfigError, match="algorithm.dynamic_sampling.max_draws: must be in \\[1, 64\\]"):
+        _cfg(f"algorithm.dynamic_sampling.max_draws={MAX_DRAWS + 1}")
+    assert (
+        _cfg(f"algorithm.dynamic_sampling.max_draws={MAX_DRAWS}").algorithm.dynamic_sampling.max_draws == 64
+    )

@@ -43,7 +43,7 @@ run: {{name: small}}
 model: {{path: {path}, dtype: bfloat16}}
 rollout: {{n: 4, max_prompt_len: 256, max_response_len: 256, num_workers: 1, tensor_parallel_size: 2,
           gpu_memory_utilization: 0.5, max_num_seqs: 8, enforce_eager: true}}
-trainer: {{num_ranks: 2, micro_batch_tokens: 1024, activation_checkpointing: true, dtype: float32}}
+trainer: {{num_ranks: 2, micro_batch_tokens: 1024, activation_checkpointing: true}}
 lora: {{rank: 8, alpha: 16, target_modules: [q_proj, k_proj, v_proj, o_proj], target_experts: true}}
 data: {{train: "synthetic:arith", train_batch_size: 4}}
 eval: {{every: 0}}

@@ -49,6 +49,7 @@ def test_demo_sweep_expands_list_outermost_last_grid_key_fastest():
     assert last.overrides == [
         "trainer.total_steps=20",
         "eval.every=10",
+        "trainer.mini_batch_size=16",
         "lora.rank=16",
         "lora.alpha=32",
         "trainer.lr=0.0003",
@@ -164,9 +165,9 @@ def test_values_in_names_and_as_overrides():
 
 
 def test_names_that_collide_once_sanitized_get_their_index(tmp_path):
-    path = _write(tmp_path, "base: demo_cpu\nname: c\ngrid: {data.val: ['a/b', 'a_b']}\n")
+    path = _write(tmp_path, "base: demo_cpu\nname: c\ngrid: {eval.data: ['a/b', 'a_b']}\n")
     sweep = S.load_sweep(path, check=False)
-    assert [p.name for p in sweep.points] == ["c/val=a_b", "c/val=a_b-1"]
+    assert [p.name for p in sweep.points] == ["c/data=a_b", "c/data=a_b-1"]
 
 
 BASE_RECIPE = """
@@ -192,11 +193,16 @@ def test_dry_run_prints_points_and_diffs(tmp_path):
         "(run dir runs/demo_lr_clip/lr=3e-4,clip_ratio_high=0.28,rank=8,alpha=16)"
     )
     # point 3 keeps the base's lr, clip and rank: only the shared overrides differ
-    assert block[1:] == ["    trainer.total_steps: 30 -> 20", "    eval.every: 5 -> 10"]
+    assert block[1:] == [
+        "    trainer.total_steps: 30 -> 20",
+        "    trainer.mini_batch_size: 0 -> 16",
+        "    eval.every: 5 -> 10",
+    ]
     block = text.split("[4] ")[1].split("[5] ")[0].splitlines()
     assert block[1:] == [
         "    trainer.total_steps: 30 -> 20",
         "    trainer.lr: 0.0003 -> 0.0001",
+        "    trainer.mini_batch_size: 0 -> 16",
         "    lora.rank: 8 -> 16",
         "    lora.alpha: 16.0 -> 32.0",
         "    algorithm.clip_ratio_high: 0.28 -> 0.2",

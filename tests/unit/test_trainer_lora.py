@@ -34,22 +34,60 @@ def test_targets_attention_and_fused_experts_but_not_router_or_norms(model):
     assert len(trainable) == 4 * (4 + 2) * 2  # layers x (q, k, v, o, gate_up, down) x (A, B)
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if p.requires_grad)
     assert not any(".gate." in n or "norm" in n for n in trainable)
-    cfg = lora_config(base(), LoraSpec(attention=False))
+    cfg = lora_config(base(), LoraSpec(modules=[]))
     assert cfg.target_modules in (None, set()) and set(cfg.target_parameters) == {
         "mlp.experts.gate_up_proj",
         "mlp.experts.down_proj",
     }
 
 
+def _adapted(model) -> set[str]:
+    """Full names of the modules (and fused expert parameters' modules) that carry a LoRA."""
+    return {n.split(".lora_A.")[0] for n, p in model.named_parameters() if ".lora_A." in n}
+
+
+def test_targets_are_exactly_the_named_projections_in_the_adapter_config_too(tmp_path):
+    model = apply_lora(base(), LoraSpec(rank=4, modules=["q_proj"], experts=False), seed=0)
+    adapted = _adapted(model)
+    assert len(adapted) == 4 and all(n.endswith("self_attn.q_proj") for n in adapted)
+    config = peft_config_dict(model, "base")
+    assert config["target_modules"] == ["q_proj"] and not config.get("target_parameters")
+    # The file the rollout side reads: vLLM's layout of it names q_proj alone too.
+    from rollout.adapter_layout import peft_to_vllm
+
+    _, vllm_config = peft_to_vllm(get_peft_model_state_dict(model), config)
+    assert vllm_config["target_modules"] == ["q_proj"]
+    two = apply_lora(base(), LoraSpec(rank=4, modules=["k_proj", "o_proj"], experts=False), seed=0)
+    assert {n.rsplit(".", 1)[-1] for n in _adapted(two)} == {"k_proj", "o_proj"}
+
+
+def test_extra_is_a_regex_matched_in_full_against_full_module_names():
+    spec = LoraSpec(rank=4, modules=[], experts=False, extra=r"model\.layers\.[02]\.self_attn\.(q|v)_proj")
+    model = apply_lora(base(), spec, seed=0)
+    assert {n.removeprefix("base_model.model.") for n in _adapted(model)} == {
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.v_proj",
+        "model.layers.2.self_attn.q_proj",
+        "model.layers.2.self_attn.v_proj",
+    }
+    # In full: a pattern that only matches part of a name matches nothing.
+    with pytest.raises(ValueError, match=r"lora.extra: 'q_proj' matches no module name"):
+        lora_config(base(), LoraSpec(extra="q_proj"))
+
+
 def test_bad_targets_are_named():
-    with pytest.raises(ValueError, match="'gate' is a router; routers stay frozen"):
-        lora_config(base(), LoraSpec(extra=["gate"]))
-    with pytest.raises(ValueError, match="no module named 'w_in'"):
-        lora_config(base(), LoraSpec(extra=["w_in"]))
+    with pytest.raises(
+        ValueError, match=r"matches the router 'model.layers.0.mlp.gate'; routers stay frozen"
+    ):
+        lora_config(base(), LoraSpec(extra=r"model\.layers\.0\.mlp\.gate"))
+    with pytest.raises(ValueError, match="lora.target_modules: 'gate' is a router"):
+        lora_config(base(), LoraSpec(modules=["q_proj", "gate"]))
+    with pytest.raises(ValueError, match="lora.target_modules: the model has no module named 'w_in'"):
+        lora_config(base(), LoraSpec(modules=["w_in"]))
     with pytest.raises(ValueError, match="dropout must be 0 with expert targets"):
         lora_config(base(), LoraSpec(dropout=0.1))
     with pytest.raises(ValueError, match="no target modules or parameters"):
-        lora_config(base(), LoraSpec(attention=False, experts=False))
+        lora_config(base(), LoraSpec(modules=[], experts=False))
 
 
 def test_exported_adapter_loads_with_peft_and_gives_the_same_log_probs(model, tmp_path):

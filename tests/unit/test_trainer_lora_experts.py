@@ -13,7 +13,7 @@ from trainer.lora_experts import GroupedLoraExperts, allow_on_cpu
 from trainer.routing_replay import RoutingReplay
 from trainer.spec import LoraSpec
 
-SPEC = LoraSpec(rank=8, alpha=16.0, attention=True, experts=True, latent=True)
+SPEC = LoraSpec(rank=8, alpha=16.0, experts=True, latent=True)
 
 
 @pytest.fixture(autouse=True)
