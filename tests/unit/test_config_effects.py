@@ -26,6 +26,11 @@ DRIVER_READS = {
     "model.make_tiny.arch": "rl.setup.resolve_model_paths",
     "model.make_tiny.sft": "rl.setup.resolve_model_paths",
     "model.make_tiny.seed": "rl.setup.resolve_model_paths",
+    # resolved against the checkpoint: on the test's BF16 models every valid value gives bf16
+    "trainer.base_format": "rl.setup.trainer_spec",
+    "resources.gpu_memory_gib": "rl.plan.make_plan",
+    "resources.wait_report_s": "rl.setup.waiting_for_resources",
+    "resources.wait_timeout_s": "rl.setup.waiting_for_resources",
     "trainer.checkpoint_every": "rl.driver.Run._checkpoint_due",
     "trainer.keep_checkpoints": "rl.driver.Run.checkpoint",
     "trainer.max_skipped_steps": "rl.driver.Run._count_skips",
