@@ -92,7 +92,6 @@ def trainer_spec(model: dict, fmt: str, args):
         lora=LoraSpec(
             rank=LORA_RANK,
             alpha=2.0 * LORA_RANK,
-            attention=True,
             experts=True,
             latent=model["spec"]["name"] == "muse",
         ),
