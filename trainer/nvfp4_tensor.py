@@ -19,6 +19,8 @@ product rounded to BF16), so the same bits. Any other op on the packed weight ra
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from trainer.nvfp4 import GROUP_SIZE
@@ -101,19 +103,33 @@ class NVFP4Weight(torch.Tensor):
     # -- FSDP2's all-gather extension ----------------------------------------------------------------------
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """The gathered inputs: packed codes and block scales (and a bank's per-expert global scales); a
-        Linear's one global scale is the same on every rank and travels as metadata."""
+        """One gathered input: each row's packed codes, block scales (and a bank's per-expert global scale)
+        as bytes side by side, [rows, bytes a row] uint8. One input, not three: FSDP2's one-rank path
+        (torch 2.11 and 2.13, `FSDPParamGroup.wait_for_unshard`) copies only an extension's first input.
+        A Linear's one global scale is the same on every rank and travels as metadata."""
+        return (self._row_bytes(),), (None if self.is_bank else self.global_scale)
+
+    def _row_bytes(self) -> torch.Tensor:
+        rows = self.packed.shape[0]
+        parts = [self.packed.reshape(rows, -1), self.scale.view(torch.uint8).reshape(rows, -1)]
         if self.is_bank:
-            return (self.packed, self.scale, self.global_scale), None
-        return (self.packed, self.scale), self.global_scale
+            parts.append(self.global_scale.reshape(rows, -1).view(torch.uint8))
+        return torch.cat(parts, dim=1)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The whole layer's gathered bytes -> its dequantized weight in `param_dtype` (into `out` from the
         second gather on: FSDP keeps the unsharded parameter's storage and refills it)."""
+        (gathered,) = outputs
+        rows = gathered.shape[0]
+        packed_w, scale_w = math.prod(self.packed.shape[1:]), math.prod(self.scale.shape[1:])
+        packed = gathered[:, :packed_w].reshape(rows, *self.packed.shape[1:])
+        scale = gathered[:, packed_w : packed_w + scale_w].contiguous().view(self.scale.dtype)
+        scale = scale.reshape(rows, *self.scale.shape[1:])
         if self.is_bank:
-            packed, scale, global_scale = outputs
+            global_scale = gathered[:, packed_w + scale_w :].contiguous().view(self.global_scale.dtype)
+            global_scale = global_scale.reshape(rows, *self.global_scale.shape[1:])
         else:
-            (packed, scale), global_scale = outputs, metadata
+            global_scale = metadata
         weight = dequantize(packed, scale, global_scale, param_dtype)
         if out is not None:
             out.copy_(weight.view(out.shape))
