@@ -50,6 +50,12 @@ def cluster(monkeypatch):
     # Ray writes the cluster's address under its temp dir for `ray.init("auto")`: keep it to this test.
     tmp = tempfile.mkdtemp(prefix="sprk-", dir="/tmp")  # short: Ray's socket paths live under it
     monkeypatch.setenv("RAY_TMPDIR", tmp)
+    # The stand-in actors below are this module's classes: the nodes' workers import it as pytest does
+    # (`integration.test_placement_cluster`, from tests/).
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    )
     os.makedirs(os.path.join(tmp, "ray"))
 
     def start(nodes: int) -> Cluster:
