@@ -12,7 +12,8 @@ never times out.
 
 from __future__ import annotations
 
-import _thread
+import os
+import signal
 import sys
 import threading
 import time
@@ -114,7 +115,10 @@ def report_pending(
                     f"pending {', '.join(pending)}; {has}. Free them, add nodes, lower trainer.num_ranks "
                     f"or rollout.num_workers, or raise resources.wait_timeout_s"
                 )
-                _thread.interrupt_main()
+                # A real SIGINT, as a Ctrl-C: ray.get blocked in its C++ wait loop wakes on the signal and
+                # raises KeyboardInterrupt; _thread.interrupt_main only trips Python's flag, which that
+                # loop never reads (the block waited on forever).
+                os.kill(os.getpid(), signal.SIGINT)
                 return
             out(line)
 

@@ -146,12 +146,13 @@ def test_with_an_address_a_run_joins_and_checks_the_cluster(other_cluster, no_ra
     )
 
 
-def test_waiting_for_resources_is_reported_and_bounded(other_cluster, no_ray_address):
+def test_waiting_for_resources_is_reported_and_bounded(other_cluster, no_ray_address, monkeypatch):
     """Three one-CPU actors on the 2-CPU cluster: the third waits; the wait is reported every
     resources.wait_report_s and given up after resources.wait_timeout_s."""
     import ray
 
     address, _ = other_cluster
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # the other cluster requires the user's token
     ray.init(address=address)
 
     @ray.remote(num_cpus=1)
