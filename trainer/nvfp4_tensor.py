@@ -132,7 +132,10 @@ class NVFP4Weight(torch.Tensor):
             global_scale = metadata
         weight = dequantize(packed, scale, global_scale, param_dtype)
         if out is not None:
-            out.copy_(weight.view(out.shape))
+            # A refill of the same parameter (backward's gather): keep its version, as FSDP2 does for its
+            # own copy-out, or autograd reads the refill as an in-place change of a saved tensor.
+            with torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(weight.view(out.shape))
             return None
         return weight, (weight,)
 
