@@ -15,7 +15,7 @@ OVERRIDES = [
     "trainer.num_ranks=1",
     "rollout.max_num_seqs=16",
     "rollout.max_response_len=16",
-    "rollout.max_prompt_len=64",
+    "rollout.max_prompt_len=96",  # the arithmetic prompts are 69 tokens
     "data.arith.train_rows=64",
     "eval.data=",
 ]
