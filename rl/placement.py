@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl import resource_wait
 from rl.config import SparkConfig
 
 COLOCATED_SHARE = 0.5  # of a colocated GPU, in Ray's accounting, for the trainer rank and for the engine
@@ -118,19 +119,17 @@ def bundle_nodes(pg) -> list[str]:
 def create_placement(cfg: SparkConfig) -> Placement:
     """Reserve the bundles on the cluster (waits until they are free), then give each colocated engine
     bundles Ray put on one node."""
-    import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     bundles, placement = plan_placement(cfg)
     if not bundles:
         return placement
     pg = placement_group(bundles, strategy="PACK", name=placement_group_name(cfg))
-    ready, _ = ray.wait([pg.ready()], timeout=600)
-    if not ready:
-        raise RuntimeError(
-            f"placement: the cluster could not give {len(bundles)} bundles {bundles[0]} ... within "
-            f"10 minutes (ray status shows what is free)"
-        )
+    try:  # waits as long as resources.wait_timeout_s allows, saying what is pending
+        resource_wait.get(pg.ready())
+    except BaseException:
+        remove_placement_group(pg)  # no reservation left queued on the cluster
+        raise
     if cfg.rollout.placement == "colocated":
         try:
             placement.rollout_bundles = engine_bundles(

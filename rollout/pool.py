@@ -16,6 +16,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from rl import resource_wait
 from rollout.spec import EngineBundles, EngineSpec, PromptRequest, SamplingSpec
 from rollout.worker import RolloutWorker
 
@@ -74,7 +75,8 @@ class RolloutPool:
         self._replay: tuple | None = None
         self.restarts = 0
         self.workers = [self._create(i) for i in range(num_workers)]
-        ray.get([w.ping.remote() for w in self.workers])  # surface engine start errors here
+        # Surface engine start errors here; inside rl.resource_wait.report_pending, say what is pending.
+        resource_wait.get([w.ping.remote() for w in self.workers])
 
     @staticmethod
     def _default_options(spec: EngineSpec) -> dict:

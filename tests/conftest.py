@@ -10,6 +10,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Ray's auth mode by name. Left unset, the first local ray.init() turns token auth on for this process and
+# everything it starts from then on (and writes ~/.ray/auth_token, after which `ray start` wants tokens
+# too): each test would see a mode set by whichever test ran before it. Tests of token auth set their own.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,6 +9,7 @@ import numpy as np
 import ray
 import torch
 
+from rl import resource_wait
 from rl.batch import Sample
 from trainer.batching import split_by_tokens
 from trainer.minibatch import mini_batch_plan
@@ -63,7 +64,7 @@ class TrainerGroup:
                 )
             self.workers.append(actor.options(**opts).remote(r, num_ranks, addr, port, spec))
         # Constructors join the process group together; a failure in one surfaces here.
-        ray.get([w.__ray_ready__.remote() for w in self.workers])
+        resource_wait.get([w.__ray_ready__.remote() for w in self.workers])
 
     def _split(self, samples: list[Sample]) -> list[list[int]]:
         return split_by_tokens([s.num_tokens for s in samples], self.num_ranks)

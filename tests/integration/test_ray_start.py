@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from rl import resource_wait
 from rl.config import load_config
 from rl.preflight import PreflightError
 from rl.resource_wait import ResourceWaitTimeout
@@ -45,7 +46,10 @@ def _cfg(*overrides):
 
 @pytest.fixture(scope="module")
 def other_cluster():
-    """(address, RAY_TMPDIR) of a 2-CPU Ray cluster that this test did not start its run on."""
+    """(address, RAY_TMPDIR) of a 2-CPU Ray cluster that this test did not start its run on. Its token auth
+    is off by name: `ray start` turns it on whenever ~/.ray/auth_token exists, which a local `ray.init()`
+    in an earlier test writes, and this process's Ray would not send the token (its mode is fixed at its
+    first init)."""
     tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths live under it
     port = _free_port()
     cmd = [
@@ -64,7 +68,7 @@ def other_cluster():
     log = open(Path(tmp) / "ray_start.log", "w")
     proc = subprocess.Popen(
         cmd,
-        env={**os.environ, "RAY_TMPDIR": tmp},
+        env={**os.environ, "RAY_TMPDIR": tmp, "RAY_AUTH_MODE": "disabled"},
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -152,7 +156,6 @@ def test_waiting_for_resources_is_reported_and_bounded(other_cluster, no_ray_add
     import ray
 
     address, _ = other_cluster
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # the other cluster requires the user's token
     ray.init(address=address)
 
     @ray.remote(num_cpus=1)
@@ -170,7 +173,7 @@ def test_waiting_for_resources_is_reported_and_bounded(other_cluster, no_ray_add
     with pytest.raises(ResourceWaitTimeout) as e:
         with waiting_for_resources(cfg, "the probes", out=lines.append):
             actors = [Probe.remote() for _ in range(3)]
-            ray.get([a.ping.remote() for a in actors])
+            resource_wait.get([a.ping.remote() for a in actors])  # what RolloutPool and TrainerGroup call
     msg = str(e.value)
     assert msg.startswith("resources.wait_timeout_s: the probes waited")
     assert re.search(r"pending 1 \S*Probe actor", msg)
@@ -180,10 +183,21 @@ def test_waiting_for_resources_is_reported_and_bounded(other_cluster, no_ray_add
     for a in actors:
         ray.kill(a)
 
-    # Nothing pending (a slow start, not a wait for resources): silent, and no timeout however long.
+    # Nothing pending (a slow start, not a wait for resources): silent, and no timeout however long. An
+    # actor whose constructor runs (a vLLM engine loading its weights) is still PENDING_CREATION to Ray.
+    @ray.remote(num_cpus=1)
+    class SlowStart:
+        def __init__(self, seconds):
+            time.sleep(seconds)
+
+        def ping(self):
+            return 1
+
     slow = Probe.remote()
     assert ray.get(slow.ping.remote()) == 1  # placed before the block
     lines.clear()
     with waiting_for_resources(cfg, "the slow one", out=lines.append):
-        assert ray.get(slow.wait.remote(3.0)) == 3.0
+        assert resource_wait.get(slow.wait.remote(3.0)) == 3.0
+        starting = SlowStart.remote(4.0)  # held: an actor without a handle is cancelled
+        assert resource_wait.get(starting.ping.remote()) == 1
     assert lines == []
