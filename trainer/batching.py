@@ -73,6 +73,11 @@ class MicroBatch:
     token_rows: int  # real (unpadded) token rows
 
     @property
+    def routable_rows(self) -> int:
+        """Token rows that predict a token: all but each sample's last, which the rollout never routed."""
+        return self.token_rows - len(self.response_lens)
+
+    @property
     def window(self) -> int:
         return self.targets.shape[1]
 

@@ -199,7 +199,7 @@ class TrainerWorker:
 
     def _replay_fraction(self, mbs) -> float:
         rows = sum(mb.replayed_rows for mb, _, dummy in mbs if not dummy)
-        total = sum(mb.token_rows for mb, _, dummy in mbs if not dummy)
+        total = sum(mb.routable_rows for mb, _, dummy in mbs if not dummy)
         rows, total = self._all_reduce([rows, total])
         return rows / total if total else 0.0
 
@@ -339,7 +339,7 @@ class TrainerWorker:
             if need_old:
                 old_logprobs = old
 
-        per_step, lrs, skipped, replayed_rows, token_rows = [], [], 0, 0.0, 0.0
+        per_step, lrs, skipped, replayed_rows, routable_rows, token_rows = [], [], 0, 0.0, 0.0, 0.0
         for k, idx in enumerate(steps):
             m, mbs = self._optimizer_step(
                 [samples[i] for i in idx],
@@ -352,16 +352,17 @@ class TrainerWorker:
             skipped += int(m.pop("skipped"))
             per_step.append(m)
             replayed_rows += sum(mb.replayed_rows for mb, _, d in mbs if not d)
+            routable_rows += sum(mb.routable_rows for mb, _, d in mbs if not d)
             token_rows += sum(mb.token_rows for mb, _, d in mbs if not d)
         self.step += 1
         metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
-        rows, total = self._all_reduce([replayed_rows, token_rows])
+        rows, routable, total = self._all_reduce([replayed_rows, routable_rows, token_rows])
         metrics.update(
             {
                 "actor/lr": lrs[0],
                 "actor/optimizer_steps": float(len(steps) - skipped),
                 "actor/skipped_step": float(skipped),
-                "r3/replayed_fraction": rows / total if total else 0.0,
+                "r3/replayed_fraction": rows / routable if routable else 0.0,
                 "perf/train_tokens": total,  # token rows trained on, summed over the mini-batches
                 "perf/train_s": time.perf_counter() - t0,
             }

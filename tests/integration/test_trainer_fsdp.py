@@ -108,9 +108,11 @@ def test_two_ranks_match_the_single_process_reference(group, reference, batch, t
     for got, want in zip(logps, ref_lp):
         assert got.dtype == np.float32 and got.shape == want.shape
         np.testing.assert_allclose(got, want.numpy(), atol=2e-5)
-    # 4 of 5 samples are replayed, each on all rows but its last token
+    # 4 of 5 samples are replayed, on every row that predicts a token (all but its last)
     routed_rows = sum(s.num_tokens - 1 for s in samples if s.routed_experts is not None)
-    assert metrics["r3/replayed_fraction"] == pytest.approx(routed_rows / sum(s.num_tokens for s in samples))
+    assert metrics["r3/replayed_fraction"] == pytest.approx(
+        routed_rows / sum(s.num_tokens - 1 for s in samples)
+    )
 
     # One step: loss, metrics and gradients against the reference.
     model.zero_grad(set_to_none=True)

@@ -410,7 +410,7 @@ def test_demo_recipe_is_the_cpu_demo():
     assert (cfg.trainer.num_ranks, cfg.rollout.num_workers) == (2, 1)
     assert (cfg.sync.mode, cfg.r3.enabled) == ("merged", True)
     assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.rollout.max_response_len) == (64, 8, 32)
-    assert (cfg.trainer.total_steps, cfg.eval.every, cfg.eval.k) == (60, 10, 8)
+    assert (cfg.trainer.total_steps, cfg.eval.every, cfg.eval.k) == (25, 5, 8)
     assert cfg.rollout.cpu_kvcache_gb == 1
 
 

@@ -58,7 +58,7 @@ def test_micro_batch_layout_window_targets_and_replay_rows():
     assert mb.routed.shape == (12, 2, 1)
     assert mb.routed_valid.tolist() == [True] * 4 + [False] * 8
     assert torch.equal(mb.routed[:4], torch.from_numpy(routed.astype(np.int64)))
-    assert (mb.replayed_rows, mb.token_rows) == (4, 11)
+    assert (mb.replayed_rows, mb.token_rows, mb.routable_rows) == (4, 11, 9)
     x = mb.scatter([np.array([1.0, 2.0]), np.array([3.0, 4.0, 5.0, 6.0])])
     assert x.tolist() == [[0, 1, 2, 0, 0], [3, 4, 5, 6, 0]]
     assert [v.tolist() for v in mb.gather(x)] == [[1, 2], [3, 4, 5, 6]]
