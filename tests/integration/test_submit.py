@@ -50,7 +50,11 @@ def ray_cluster():
     Ray makes --node-ip-address=127.0.0.1 the machine's routable address and its GCS listens on every
     interface, so the cluster requires a token (the user's ~/.ray/auth_token, created as `ray.init` would
     if missing); the dashboard binds 127.0.0.1. The client side is what `sparkrl submit` does by itself:
-    rl.submit.make_client turns token auth on when the server asks for it."""
+    rl.submit.make_client turns token auth on when the server asks for it, as for a user who left
+    RAY_AUTH_MODE unset (tests/conftest.py sets it; it is unset here and put back after, with Ray's cached
+    auth state, so that no later test inherits token mode)."""
+    auth_env = pytest.MonkeyPatch()
+    auth_env.delenv("RAY_AUTH_MODE", raising=False)
     if not any(k in os.environ for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
         if not (Path.home() / ".ray" / "auth_token").exists():
             subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True)
@@ -113,6 +117,15 @@ def ray_cluster():
         proc.wait()
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
+        auth_env.undo()
+        _reset_ray_auth_state()
+
+
+def _reset_ray_auth_state() -> None:
+    """Ray caches the auth mode and token per process (make_client may have turned token mode on)."""
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
+    reset_auth_token_state()
 
 
 # ----------------------------------------------------------------------------------------------------
