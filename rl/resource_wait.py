@@ -81,15 +81,13 @@ def pending_summary(placement_group_name: str | None = None) -> tuple[list[str],
         f"{r.count} x {_fmt(r.bundle)}" for d in demands.placement_group_demand for r in d.bundles_by_count
     ]
     # An unplaced actor with no unmet demand on the cluster is a worker process being started, not a wait.
-    pending = (
-        [f"{n} {name} actor{'s' if n > 1 else ''}" for name, n in sorted(waiting.items())]
-        if actor_asks
-        else []
-    )
-    pending += groups
+    actors_waiting = [f"{n} {name} actor{'s' if n > 1 else ''}" for name, n in sorted(waiting.items())]
+    if not actor_asks:
+        actors_waiting = []
+    pending = actors_waiting + groups
     if not pending:
         return [], ""
-    asks = (actor_asks if waiting else []) + (group_asks if groups else [])
+    asks = (actor_asks if actors_waiting else []) + (group_asks if groups else [])
     if asks:
         pending.append(f"the cluster's unmet demands {', '.join(asks)}")
     nodes = len(status.active_nodes) + len(status.idle_nodes)

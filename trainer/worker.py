@@ -197,11 +197,17 @@ class TrainerWorker:
             entropy_grad,
         )
 
+    @staticmethod
+    def _row_counts(mbs) -> np.ndarray:
+        """[replayed, routable, token] rows of the real (not dummy) micro-batches."""
+        real = [mb for mb, _, dummy in mbs if not dummy]
+        return np.array(
+            [[mb.replayed_rows, mb.routable_rows, mb.token_rows] for mb in real] or [[0, 0, 0]]
+        ).sum(0)
+
     def _replay_fraction(self, mbs) -> float:
-        rows = sum(mb.replayed_rows for mb, _, dummy in mbs if not dummy)
-        total = sum(mb.routable_rows for mb, _, dummy in mbs if not dummy)
-        rows, total = self._all_reduce([rows, total])
-        return rows / total if total else 0.0
+        rows, routable, _ = self._all_reduce(self._row_counts(mbs).tolist())
+        return rows / routable if routable else 0.0
 
     # ------------------------------------------------------------------------------------------------
     # Log-probs and the step.
@@ -339,7 +345,7 @@ class TrainerWorker:
             if need_old:
                 old_logprobs = old
 
-        per_step, lrs, skipped, replayed_rows, routable_rows, token_rows = [], [], 0, 0.0, 0.0, 0.0
+        per_step, lrs, skipped, rows = [], [], 0, np.zeros(3)
         for k, idx in enumerate(steps):
             m, mbs = self._optimizer_step(
                 [samples[i] for i in idx],
@@ -351,18 +357,16 @@ class TrainerWorker:
             lrs.append(m.pop("lr"))
             skipped += int(m.pop("skipped"))
             per_step.append(m)
-            replayed_rows += sum(mb.replayed_rows for mb, _, d in mbs if not d)
-            routable_rows += sum(mb.routable_rows for mb, _, d in mbs if not d)
-            token_rows += sum(mb.token_rows for mb, _, d in mbs if not d)
+            rows += self._row_counts(mbs)
         self.step += 1
         metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
-        rows, routable, total = self._all_reduce([replayed_rows, routable_rows, token_rows])
+        replayed, routable, total = self._all_reduce(rows.tolist())
         metrics.update(
             {
                 "actor/lr": lrs[0],
                 "actor/optimizer_steps": float(len(steps) - skipped),
                 "actor/skipped_step": float(skipped),
-                "r3/replayed_fraction": rows / routable if routable else 0.0,
+                "r3/replayed_fraction": replayed / routable if routable else 0.0,
                 "perf/train_tokens": total,  # token rows trained on, summed over the mini-batches
                 "perf/train_s": time.perf_counter() - t0,
             }

@@ -150,7 +150,7 @@ def test_with_an_address_a_run_joins_and_checks_the_cluster(other_cluster, no_ra
     )
 
 
-def test_waiting_for_resources_is_reported_and_bounded(other_cluster, no_ray_address, monkeypatch):
+def test_waiting_for_resources_is_reported_and_bounded(other_cluster, no_ray_address):
     """Three one-CPU actors on the 2-CPU cluster: the third waits; the wait is reported every
     resources.wait_report_s and given up after resources.wait_timeout_s."""
     import ray
