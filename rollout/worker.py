@@ -1,7 +1,9 @@
 """One vLLM engine (offline `LLM`) and the conversions around it: prompts in, `Sample`s out; weights in.
 
 `RolloutWorker` is a plain class; `ray.remote(RolloutWorker)` makes it an actor (rollout.pool does).
-The engine starts in its own process (vLLM's engine core), so this module imports vLLM lazily.
+On GPU the engine starts in its own process (vLLM's engine core); a CPU engine of one rank in a Ray actor
+runs in the actor's process (`in_process`). This module imports vLLM lazily, once the worker has set the engine's
+environment.
 """
 
 from __future__ import annotations
@@ -71,6 +73,23 @@ def stacked_experts(spec: EngineSpec, info: ModelInfo) -> bool:
     return spec.enable_lora and spec.lora_experts_stacked and info.is_moe
 
 
+def in_process(spec: EngineSpec, bundles: EngineBundles | None) -> bool:
+    """Whether the engine runs inside this worker's process: vLLM's uniprocess executor and in-process
+    engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), for a CPU engine of one rank in a Ray actor of its own.
+    vLLM's own engine-core and worker processes each import vLLM and torch again: on the 2-core machine the
+    tiny MoE's engine took 20.4 s to construct that way and 1.6 s in process, sampling the same tokens.
+    In process, vLLM's CPU worker pins this process's OpenMP threads to its cores, as it pins its own
+    worker process otherwise: right for an actor that exists for the engine, wrong for a caller's process
+    (a test, a benchmark), whose later children would inherit the pinning, so those keep the separate
+    processes. On GPU the separate engine core overlaps scheduling with the frontend, and tensor
+    parallelism needs its workers: both keep vLLM's default."""
+    if bundles is not None or spec.tensor_parallel_size != 1 or torch.cuda.is_available():
+        return False
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | None = None) -> dict:
     """The `vllm.LLM` arguments of `spec` for the checkpoint described by `info`; `bundles`: the engine's
     TP ranks go to these placement-group bundles through vLLM's Ray executor (`engine_env` sets the rest)."""
@@ -101,6 +120,8 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | No
         # The actor holds the engine's GPUs: TP ranks as its child processes. Left to itself, vLLM picks
         # its Ray executor inside any placement group, which refuses bundles of more than one GPU.
         kw["distributed_executor_backend"] = "mp"
+    elif in_process(spec, bundles):
+        kw["distributed_executor_backend"] = "uni"
     # An engine given bundles runs on GPUs by construction (rl.placement); its own actor holds none.
     if bundles is None and not torch.cuda.is_available():
         # vLLM's CPU runner rewinds a seeded request's generator after a partial (chunked) prefill with
@@ -216,8 +237,11 @@ def _sync_metrics(path: Path, start: float, staged: float) -> dict:
     }
 
 
-def engine_env(bundles: EngineBundles | None) -> dict[str, str]:
-    """Environment the engine needs before it starts: where vLLM's Ray executor puts the TP ranks."""
+def engine_env(spec: EngineSpec, bundles: EngineBundles | None) -> dict[str, str]:
+    """Environment the engine needs before vLLM is imported: an engine core in this process (in_process),
+    or where vLLM's Ray executor puts the TP ranks."""
+    if in_process(spec, bundles):
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if bundles is None:
         return {}
     import ray
@@ -256,7 +280,8 @@ class RolloutWorker:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.cpu_kvcache_gb:g}"
         self.stage = StageDir(stage_root)
         kwargs = engine_kwargs(spec, self.info, bundles)
-        os.environ.update(engine_env(bundles))  # read by vLLM in this process and the engine core's
+        self.in_process = in_process(spec, bundles)
+        os.environ.update(engine_env(spec, bundles))  # read by vLLM in this process and the engine core's
         block_n = spec.hopper_lora_expand_block_n if spec.enable_lora else 0
         self.lora_configs = HopperLoraConfigs(
             self.stage.dir / "vllm_lora_configs", block_n, hopper_gpu_name() if block_n else None
@@ -471,7 +496,12 @@ class RolloutWorker:
 
     # ---- housekeeping -----------------------------------------------------------------------------
     def ping(self) -> dict:
-        return {"pid": os.getpid(), "version": self.version, "sleeping": self._sleeping}
+        return {
+            "pid": os.getpid(),
+            "version": self.version,
+            "sleeping": self._sleeping,
+            "engine_in_process": self.in_process,
+        }
 
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

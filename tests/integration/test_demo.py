@@ -1,4 +1,8 @@
-"""The CPU demo (`make demo`) learns: held-out mean@8 rises by at least 0.25 and the KL stays in budget."""
+"""The CPU demo (`make demo`) learns: held-out mean@8 rises by at least 0.25 and the KL stays in budget.
+
+The test runs the demo recipe's first 20 of its 25 steps, evaluated at 0, 10 and 20 (the recipe: every 5).
+Evaluation draws from its own seed stream, so the 20 steps are the demo's own; on the 2-core machine the
+demo's held-out mean@8 was 0.483 at step 0 and 0.798 at step 20 (+0.315), and 0.837 at 25."""
 
 from __future__ import annotations
 
@@ -15,7 +19,14 @@ def test_demo_learns_within_its_kl_budget(tmp_path, tiny_moe_sft_path):
     from rl.driver import train
 
     cfg = load_config(
-        "demo_cpu", ["run.name=demo_test", f"run.dir={tmp_path / 'demo'}", "logging.tensorboard=false"]
+        "demo_cpu",
+        [
+            "run.name=demo_test",
+            f"run.dir={tmp_path / 'demo'}",
+            "logging.tensorboard=false",
+            "trainer.total_steps=20",
+            "eval.every=10",
+        ],
     )
     start = time.perf_counter()
     summary = train(cfg)

@@ -86,7 +86,7 @@ class EngineStandIn:
 
     def __init__(self, spec, stage_dir, bundles=None):
         self.bundles = bundles
-        self.env = engine_env(bundles)
+        self.env = engine_env(spec, bundles)
         self.ranks = []
 
     def ping(self):

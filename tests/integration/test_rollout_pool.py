@@ -154,6 +154,10 @@ def test_pool_of_two_engines_survives_a_worker_killed_mid_batch(tmp_path):
         seed=0,
     )
     pool = RolloutPool(spec, 2, str(tmp_path / "stage"))
+    # A CPU engine of one rank runs in its actor's process (rollout.worker.in_process): no engine core
+    # processes of its own, so a killed actor takes its engine with it.
+    pings = ray.get([w.ping.remote() for w in pool.workers])
+    assert all(p["engine_in_process"] for p in pings), pings
     tensors, config = _adapter(path)
     pool.load_adapter(tensors, config, version=2)
     reqs = [PromptRequest(prompt_ids=[5 + g, 40, 41 + g, 7], group=g) for g in range(8)]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from rl.config import load_config
+from rl.evaluation import read_records
 from rl.metrics import read_metrics
 
 # design.md's step metrics that every CPU step reports.
@@ -69,18 +70,26 @@ def _cfg(tmp_path, name, extra=()):
     return load_config("demo_cpu", [f"run.name={name}", f"run.dir={tmp_path / name}", *SMALL, *extra])
 
 
-def test_three_steps_resume_and_a_killed_rollout_worker(tmp_path, ray_cluster, tiny_moe_sft_path):
+# Metrics that must agree exactly between two runs of one seed (sampled tokens and their rewards), and those
+# that may differ by float reduction order only (within 1e-6).
+EXACT = ["reward/mean", "acc/mean", "response_length/mean", "response_length/clip_ratio", "batch/kept_groups"]
+CLOSE = ["actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "rollout_corr/k3_kl"]
+# Mini-batches of 2 prompts: 2 optimizer steps a batch of 4, so the resume covers a batch of several.
+THREE_STEPS = ["trainer.total_steps=3", "trainer.checkpoint_every=2", "trainer.mini_batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory, ray_cluster, tiny_moe_sft_path):
+    """Three steps with the rollout worker killed after step 1 (the pool recreates it and replays the weights):
+    (config, summary, run directory, restarts)."""
     import ray
 
     from rl.driver import Run
 
-    # Mini-batches of 2 prompts: 2 optimizer steps a batch of 4, so the resume covers a batch of several.
-    cfg = _cfg(
-        tmp_path, "e2e", ["trainer.total_steps=3", "trainer.checkpoint_every=2", "trainer.mini_batch_size=2"]
-    )
+    tmp = tmp_path_factory.mktemp("e2e")
+    cfg = _cfg(tmp, "killed", THREE_STEPS)
     run = Run(cfg)
     try:
-        # Kill the rollout worker after step 1: the pool recreates it, replays the weights, and goes on.
         original = run.train_step
 
         def step_then_kill(step):
@@ -91,10 +100,16 @@ def test_three_steps_resume_and_a_killed_rollout_worker(tmp_path, ray_cluster, t
 
         run.train_step = step_then_kill
         summary = run.train()
-        assert run.rollout.restarts == 1
+        restarts = run.rollout.restarts
     finally:
         run.close()
-    records = read_metrics(tmp_path / "e2e")
+    return cfg, summary, tmp / "killed", restarts
+
+
+def test_three_steps_report_every_metric_through_a_killed_rollout_worker(killed_run):
+    _, summary, run_dir, restarts = killed_run
+    assert restarts == 1
+    records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for r in records[1:]:
         missing = [k for k in STEP_KEYS if k not in r]
@@ -105,23 +120,50 @@ def test_three_steps_resume_and_a_killed_rollout_worker(tmp_path, ray_cluster, t
         assert r["rollout_corr/k3_kl"] < 1e-3
         assert r["actor/optimizer_steps"] == 2
     assert any(k.startswith("val-core/synthetic/arith/acc/mean@4") for k in records[2])
-    assert (tmp_path / "e2e" / "eval" / "step_2.jsonl").exists()
-    assert (tmp_path / "e2e" / "report" / "report.md").exists() and summary["steps"] == 3
+    assert (run_dir / "eval" / "step_2.jsonl").exists()
+    assert (run_dir / "report" / "report.md").exists() and summary["steps"] == 3
 
-    # Resume from step 2's checkpoint: step 3 comes out the same as in the uninterrupted run.
-    ckpts = tmp_path / "e2e" / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_2", "step_3"]
-    assert (ckpts / "step_2" / "trainer").is_dir()
+
+def test_same_seed_same_run(killed_run, tmp_path):
+    """A second run of the same seed and config, this one without a killed worker, is the same run: sampled
+    tokens and rewards bitwise, losses within 1e-6, the evaluation's responses and scores bitwise. So the
+    seeds are the run's alone, and a recreated rollout worker changes nothing."""
+    from rl.driver import train
+
+    cfg, _, first_dir, _ = killed_run
+    train(_cfg(tmp_path, "again", THREE_STEPS))
+    first, again = read_metrics(first_dir), read_metrics(tmp_path / "again")
+    assert [r["step"] for r in first] == [r["step"] for r in again] == [0, 1, 2, 3]
+    for x, y in zip(first[1:], again[1:]):
+        for k in EXACT:
+            assert x[k] == y[k], (x["step"], k)
+        for k in CLOSE:
+            assert abs(x[k] - y[k]) <= 1e-6, (x["step"], k, x[k], y[k])
+    evals = sorted(p.name for p in (first_dir / "eval").glob("step_*.jsonl"))
+    assert evals == sorted(p.name for p in (tmp_path / "again" / "eval").glob("step_*.jsonl"))
+    assert "step_0.jsonl" in evals and "step_2.jsonl" in evals
+    for name in evals:
+        ea, eb = read_records(first_dir / "eval" / name), read_records(tmp_path / "again" / "eval" / name)
+        assert [(r.response, r.acc) for r in ea] == [(r.response, r.acc) for r in eb], name
+
+
+def test_resume_from_step_2_gives_the_uninterrupted_step_3(killed_run):
     import shutil
 
-    shutil.rmtree(ckpts / "step_3")
+    from rl.driver import Run
+
+    cfg, _, run_dir, _ = killed_run
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_2", "step_3"]
+    assert (ckpts / "step_2" / "trainer").is_dir()
+    first = read_metrics(run_dir)[3]
+    shutil.rmtree(ckpts / "step_3")  # the last test of this module's run: nothing after it reads step_3
     resumed = Run(cfg, resume=True)
     try:
         assert resumed.step == 2 and resumed.version == 2
         again = resumed.train_step(3)
     finally:
         resumed.close()
-    first = records[3]
     for key in ("reward/mean", "acc/mean", "response_length/mean", "batch/kept_groups"):
         assert again[key] == first[key], key
     for key in ("actor/pg_loss", "actor/grad_norm", "rollout_corr/k3_kl", "actor/entropy", "actor/ppo_kl"):

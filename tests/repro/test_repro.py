@@ -1,14 +1,13 @@
-"""Reproducibility of training on CPU, and KL drift with and without routing replay (R3).
+"""KL drift on CPU with and without routing replay (R3).
 
-1. The same seed and config twice give the same run: tokens and rewards bitwise, losses within 1e-6.
-2. Over 20 steps of the tiny MoE in bfloat16 (where vLLM's and the trainer's kernels round differently,
+1. Over 20 steps of the tiny MoE in bfloat16 (where vLLM's and the trainer's kernels round differently,
    so routing can flip), the k3 KL stays inside the budget with R3 on, and R3 off shows more drift.
-3. The R3-on run's median step KL matches a golden file's within x3: a change that breaks routing replay
+2. The R3-on run's median step KL matches a golden file's within x3: a change that breaks routing replay
    or the log-prob alignment moves it by far more. The median, not each step: bfloat16 trajectories part
    after a few steps between machines (one sampled token flips, and every later batch differs), and a
    step's KL then varies by x4 and more, with rare spikes. Regenerate after an intended change with
    `SPARKRL_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/repro -k golden` (see docs/reproducibility.md).
-(Resumed equals uninterrupted: tests/integration/test_train_e2e.py.)
+(Same seed, same run, and resumed equals uninterrupted: tests/integration/test_train_e2e.py, on one shared run.)
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import numpy as np
 import pytest
 
 from rl.config import load_config
-from rl.evaluation import read_records
 from rl.metrics import read_metrics
 
 
@@ -37,8 +35,6 @@ def golden_path() -> Path:
     return Path(__file__).parent / ("golden_kl_r3_bf16_amx.json" if amx else "golden_kl_r3_bf16.json")
 
 
-EXACT = ["reward/mean", "acc/mean", "response_length/mean", "response_length/clip_ratio", "batch/kept_groups"]
-CLOSE = ["actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "rollout_corr/k3_kl"]
 BUDGET = 1e-3
 
 
@@ -60,27 +56,6 @@ def _run(tmp_path, name, overrides):
     )
     train(cfg)
     return tmp_path / name
-
-
-def test_same_seed_same_run(tmp_path, ray_cluster, tiny_moe_sft_path):
-    small = [
-        "trainer.total_steps=3",
-        "data.train_batch_size=8",
-        "data.arith.eval_rows=8",
-        "eval.every=3",
-        "trainer.checkpoint_every=0",
-    ]
-    a, b = _run(tmp_path, "a", small), _run(tmp_path, "b", small)
-    ra, rb = read_metrics(a), read_metrics(b)
-    assert [r["step"] for r in ra] == [r["step"] for r in rb] == [0, 1, 2, 3]
-    for x, y in zip(ra[1:], rb[1:]):
-        for k in EXACT:
-            assert x[k] == y[k], (x["step"], k)
-        for k in CLOSE:
-            assert abs(x[k] - y[k]) <= 1e-6, (x["step"], k, x[k], y[k])
-    # the sampled tokens themselves: eval responses and their scores, bitwise
-    ea, eb = read_records(a / "eval" / "step_3.jsonl"), read_records(b / "eval" / "step_3.jsonl")
-    assert [(r.response, r.acc) for r in ea] == [(r.response, r.acc) for r in eb]
 
 
 @pytest.fixture(scope="module")

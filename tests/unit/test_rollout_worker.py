@@ -19,7 +19,9 @@ from rollout.worker import (
     RoutedExpertsError,
     check_finite_logprobs,
     check_routed_experts,
+    engine_env,
     engine_kwargs,
+    in_process,
     sampled_logprobs,
 )
 
@@ -146,6 +148,24 @@ def test_engine_settings_pass_through():
     assert "enable_mixed_moe_lora_format" not in engine_kwargs(EngineSpec(**stacked), DENSE)
     per_expert = dict(stacked, lora_experts_stacked=False)
     assert "enable_mixed_moe_lora_format" not in engine_kwargs(EngineSpec(**per_expert), MOE)
+
+
+def test_engine_runs_in_process_only_in_an_actor_of_its_own_on_cpu():
+    """Outside a Ray actor (this test's process) the engine keeps vLLM's own processes: in process, vLLM's
+    CPU worker would pin the caller's threads. In a pool's actor it runs in process
+    (tests/integration/test_rollout_pool.py asserts it through the workers' ping)."""
+    spec = EngineSpec(model_path="/m")
+    assert not in_process(spec, None)
+    assert engine_env(spec, None) == {}
+    assert "distributed_executor_backend" not in engine_kwargs(spec, MOE)
+    # TP ranks or placement-group bundles: never in process, whatever the process
+    assert not in_process(EngineSpec(model_path="/m", tensor_parallel_size=2), None)
+    assert (
+        engine_kwargs(EngineSpec(model_path="/m", tensor_parallel_size=2), MOE)[
+            "distributed_executor_backend"
+        ]
+        == "mp"
+    )
 
 
 def test_marlin_is_pinned_for_nvfp4_experts_with_lora():
