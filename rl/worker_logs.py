@@ -3,9 +3,10 @@ file of the run, `<run>/logs/<role>.log`, instead of the driver's terminal.
 
 The driver sets `LOG_DIR_ENV` in the job's runtime environment (rl/setup.py `init_ray`) and starts Ray with
 `log_to_driver=False`; every worker actor calls `capture(role)` first thing in its constructor. The file
-descriptors 1 and 2 themselves are redirected (not only `sys.stdout`), so vLLM's engine-core process,
-which the rollout worker spawns after this call and which inherits them, writes there too, and so does a
-native abort (glibc, faulthandler) that never reaches Python's streams.
+descriptors 1 and 2 themselves are redirected (not only `sys.stdout`), so vLLM's engine-core process
+(on GPU; a CPU engine runs in the worker's own process), which the rollout worker spawns after this call
+and which inherits them, writes there too, and so does a native abort (glibc, faulthandler) that never
+reaches Python's streams.
 
 A directory that another node cannot see is no loss: each node's workers write under the same path on
 their own node.
