@@ -76,8 +76,9 @@ def stacked_experts(spec: EngineSpec, info: ModelInfo) -> bool:
 def in_process(spec: EngineSpec, bundles: EngineBundles | None) -> bool:
     """Whether the engine runs inside this worker's process: vLLM's uniprocess executor and in-process
     engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), for a CPU engine of one rank in a Ray actor of its own.
-    vLLM's own engine-core and worker processes each import vLLM and torch again: on the 2-core machine the
-    tiny MoE's engine took 20.4 s to construct that way and 1.6 s in process, sampling the same tokens.
+    vLLM's own engine-core and worker processes each import vLLM and torch again, most of a CPU engine's
+    start-up. In process it sampled the same tokens as with those processes when compared by hand; no test
+    compares the two.
     In process, vLLM's CPU worker pins this process's OpenMP threads to its cores, as it pins its own
     worker process otherwise: right for an actor that exists for the engine, wrong for a caller's process
     (a test, a benchmark), whose later children would inherit the pinning, so those keep the separate
