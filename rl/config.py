@@ -410,6 +410,12 @@ class R3Config:
     """Rollout routing replay: the trainer routes each token to the experts the rollout engine chose."""
 
     enabled: bool = _f(True, "Capture routing in rollout and replay it in the trainer.")
+    measure_live_kl: bool = _f(
+        False,
+        "With R3 on, also score every batch with the trainer's own (live) routing and report "
+        "`r3/live_k3_kl`: the k3 KL against the rollout had routing not been replayed, on the same samples "
+        "as `rollout_corr/k3_kl`, so the two compare pairwise. Costs one more no-grad forward a step.",
+    )
 
 
 @dataclass
@@ -809,6 +815,11 @@ def validate(cfg: SparkConfig) -> list[tuple[str, str]]:
     da, ev, res = cfg.data, cfg.eval, cfg.resources
     rc = al.rollout_correction
     need(bool(cfg.run.name.strip()), "run.name", "must not be empty")
+    need(
+        cfg.r3.enabled or not cfg.r3.measure_live_kl,
+        "r3.measure_live_kl",
+        "compares replayed with live routing: needs r3.enabled=true",
+    )
     need(
         bool(cfg.model.path) or bool(cfg.model.make_tiny.arch),
         "model.path",

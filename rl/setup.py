@@ -249,6 +249,7 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
         micro_batch_tokens=max(t.micro_batch_tokens, max_seq) if t.micro_batch_tokens else 0,
         max_seq_len=max_seq,
         r3=cfg.r3.enabled,
+        r3_live_kl=cfg.r3.measure_live_kl,
         activation_checkpointing=t.activation_checkpointing,
         compile=t.compile,
         activation_memory_budget=t.activation_memory_budget,

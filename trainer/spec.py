@@ -54,6 +54,8 @@ class TrainerSpec:
     micro_batch_tokens: int = 0  # padded tokens per forward/backward (0 = no limit)
     max_seq_len: int = 4096  # prompt + response; a longer sample is an error
     r3: bool = True
+    # with r3: also score each batch with live routing and report r3/live_k3_kl (one more no-grad forward)
+    r3_live_kl: bool = False
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder layer (CUDA only: the worker ignores it on CPU)
     # > 0 with compile: the partitioner recomputes within this budget instead of whole-layer checkpointing

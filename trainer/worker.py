@@ -234,8 +234,17 @@ class TrainerWorker:
         self.model.eval()
         mbs = self._micro_batches(samples)
         out = {"policy": [None] * len(samples), "reference": [None] * len(samples)}
-        ent_sum = ent_n = 0.0
+        ent_sum = ent_n = live_sum = live_n = 0.0
+        # The same spec on every rank, so every rank runs the extra forward (FSDP2 gathers in each one).
+        live = policy and self.spec.r3 and self.spec.r3_live_kl and self.replay is not None
         for mb, idx, dummy in mbs:
+            if live:  # the router's own choices: what the on-policy check would read without R3
+                live_logp, _ = self._forward(mb, with_entropy=False)
+                if not dummy:
+                    rollout = mb.scatter([samples[i].response_logprobs for i in idx])
+                    sums, counts = algo.k3_sequence_sums(live_logp, rollout, mb.response_mask)
+                    live_sum += float(sums.sum())
+                    live_n += float(counts.sum())
             with self._routing(mb):
                 if policy:
                     logp, ent = self._forward(mb, with_entropy=True)
@@ -258,6 +267,9 @@ class TrainerWorker:
                 "r3/replayed_fraction": self._replay_fraction(mbs),
                 "actor/entropy": ent_sum / ent_n if ent_n else 0.0,
             }
+            if live:
+                live_sum, live_n = self._all_reduce([live_sum, live_n])
+                metrics["r3/live_k3_kl"] = live_sum / live_n if live_n else 0.0
             if not self._base_bytes_reported:  # once per run: the first log-probs of the first step
                 metrics["trainer/base_bytes"] = float(self.base_bytes)
                 self._base_bytes_reported = True

@@ -1,7 +1,8 @@
 """KL drift on CPU with and without routing replay (R3).
 
 1. Over 20 steps of the tiny MoE in bfloat16 (where vLLM's and the trainer's kernels round differently,
-   so routing can flip), the k3 KL stays inside the budget with R3 on, and R3 off shows more drift.
+   so routing can flip), the k3 KL stays inside the budget with R3 on, and the same batches scored with the
+   trainer's live routing (`r3.measure_live_kl`, paired on the same samples) drift more.
 2. The R3-on run's median step KL matches a golden file's within x3: a change that breaks routing replay
    or the log-prob alignment moves it by far more. The median, not each step: bfloat16 trajectories part
    after a few steps between machines (one sampled token flips, and every later batch differs), and a
@@ -60,7 +61,8 @@ def _run(tmp_path, name, overrides):
 
 @pytest.fixture(scope="module")
 def kl_runs(tmp_path_factory, ray_cluster, tiny_moe_sft_path):
-    """20 bf16 steps with R3 on and off (same seed): per-step k3 KL of each."""
+    """20 bf16 steps with R3 on, each batch also scored with live routing (r3.measure_live_kl): per-step
+    k3 KL of the replayed scoring (the run's on-policy check) and of the live one, on the same samples."""
     tmp = tmp_path_factory.mktemp("kl")
     common = [
         "model.dtype=bfloat16",
@@ -69,27 +71,34 @@ def kl_runs(tmp_path_factory, ray_cluster, tiny_moe_sft_path):
         "eval.every=0",
         "eval.at_start=false",
         "trainer.checkpoint_every=0",
+        "r3.enabled=true",
+        "r3.measure_live_kl=true",
     ]
-    out = {}
-    for r3 in (True, False):
-        run = _run(tmp, f"r3_{'on' if r3 else 'off'}", [*common, f"r3.enabled={str(r3).lower()}"])
-        out[r3] = np.array([r["rollout_corr/k3_kl"] for r in read_metrics(run)])
+    run = _run(tmp, "r3_on", common)
+    records = read_metrics(run)
+    out = {
+        True: np.array([r["rollout_corr/k3_kl"] for r in records]),
+        False: np.array([r["r3/live_k3_kl"] for r in records]),
+    }
     from rl.report import write_report
 
-    report = write_report([tmp / "r3_on", tmp / "r3_off"], tmp / "report")
+    report = write_report([run], tmp / "report")
     print(report.read_text().split("\n## ")[0])
-    print("k3 KL per step, R3 on: ", " ".join(f"{x:.1e}" for x in out[True]))
-    print("k3 KL per step, R3 off:", " ".join(f"{x:.1e}" for x in out[False]))
+    print("k3 KL per step, routing replayed:", " ".join(f"{x:.1e}" for x in out[True]))
+    print("k3 KL per step, live routing:    ", " ".join(f"{x:.1e}" for x in out[False]))
     return out
 
 
 @pytest.mark.slow
-def test_r3_keeps_kl_in_budget_and_off_drifts_more(kl_runs):
-    on, off = kl_runs[True], kl_runs[False]
-    assert len(on) == len(off) == 20
+def test_r3_keeps_kl_in_budget_and_live_routing_drifts_more(kl_runs):
+    on, live = kl_runs[True], kl_runs[False]
+    assert len(on) == len(live) == 20
     assert on.max() < BUDGET
-    assert on.mean() < off.mean(), f"R3 on {on.mean():.2e} is not below R3 off {off.mean():.2e}"
     assert np.all(on > 0)  # bf16 on both sides never agrees exactly: a zero would mean one side scored itself
+    # Paired: the same samples scored twice, so the difference is routing alone. The mean, not each step:
+    # both scorings carry bf16's own rounding noise, and live routing is below replay on some steps
+    # (6 of 20 in docs/reproducibility.md's run); its excess comes as spikes where routing flipped.
+    assert on.mean() < live.mean(), f"replayed {on.mean():.2e} is not below live routing {live.mean():.2e}"
 
 
 @pytest.mark.slow

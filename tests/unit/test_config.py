@@ -261,6 +261,12 @@ def test_bounds_declared_on_fields(tmp_path):
     )
 
 
+def test_live_routing_kl_needs_routing_replay(tmp_path):
+    msg = error(recipe(tmp_path), ["r3.enabled=false", "r3.measure_live_kl=true"])
+    assert "r3.measure_live_kl: compares replayed with live routing: needs r3.enabled=true" in msg
+    assert validate(load_config(recipe(tmp_path), ["r3.measure_live_kl=true"])) == []
+
+
 def test_interpolation_error_names_the_key(tmp_path):
     assert error(recipe(tmp_path), ["rollout.seed=${run.nope}"]) == (
         "override 'rollout.seed=${run.nope}': rollout.seed: Interpolation key 'run.nope' not found"
