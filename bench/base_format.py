@@ -126,7 +126,7 @@ def measure(model: dict, fmt: str, args, kl_samples: list) -> dict:
     """One base format's row, in this (fresh) process."""
     from rl.driver import mismatch_metrics
     from trainer import sharded_load
-    from trainer.group import free_port
+    from trainer.rendezvous import free_port
     from trainer.worker import TrainerWorker
 
     rate = matmul_tflops(8192 if torch.cuda.is_available() else 512)

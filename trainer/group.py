@@ -3,8 +3,6 @@ tokens and the results come back in the batch's order."""
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import ray
 import torch
@@ -13,14 +11,9 @@ from rl import resource_wait
 from rl.batch import Sample
 from trainer.batching import split_by_tokens
 from trainer.minibatch import mini_batch_plan
+from trainer.rendezvous import rank0_endpoint
 from trainer.spec import TrainerSpec
 from trainer.worker import TrainerWorker
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class TrainerGroup:
@@ -28,8 +21,9 @@ class TrainerGroup:
 
     placement_group: bundles for the ranks (bundle bundle_offset + r hosts rank r), e.g. to share GPUs
     with rollout; num_gpus_per_rank is then the rank's share of its bundle's GPU.
-    master_addr: where rank 0 listens; the default (this node's IP) assumes rank 0 lands on this node,
-    which holds for a local cluster; pass rank 0's node address otherwise.
+    master_addr, master_port: where rank 0 listens for the rendezvous. By default the address Ray reports
+    for the node rank 0 runs on, and a port free there (`rank0_endpoint`): the driver's own node may hold
+    no rank at all, and on a cluster of several machines its address is not rank 0's.
     """
 
     def __init__(
@@ -49,20 +43,29 @@ class TrainerGroup:
         self.num_ranks = num_ranks
         self.spec = spec
         self.batches = 0  # train_step calls so far (restored by load_checkpoint): seeds the mini-batch order
-        addr = master_addr or ray.util.get_node_ip_address()
-        port = master_port or free_port()
-        actor = ray.remote(TrainerWorker)
-        self.workers = []
-        for r in range(num_ranks):
-            # colocated with rollout engines: a fraction of the rank's GPU (the engine holds the rest)
-            opts = {"num_gpus": num_gpus_per_rank, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
-            if placement_group is not None:
-                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        # colocated with rollout engines: a fraction of the rank's GPU (the engine holds the rest)
+        resources = {"num_gpus": num_gpus_per_rank, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
+        options = [dict(resources) for _ in range(num_ranks)]
+        if placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+            for r, opts in enumerate(options):
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=placement_group, placement_group_bundle_index=bundle_offset + r
                 )
-            self.workers.append(actor.options(**opts).remote(r, num_ranks, addr, port, spec))
+        if master_addr is None or master_port is None:
+            node_id, addr, port = rank0_endpoint(options[0])
+            if placement_group is None:  # rank 0 goes where its endpoint was found
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                options[0]["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+            master_addr, master_port = master_addr or addr, master_port or port
+        self.master_addr, self.master_port = master_addr, master_port
+        actor = ray.remote(TrainerWorker)
+        self.workers = [
+            actor.options(**opts).remote(r, num_ranks, self.master_addr, self.master_port, spec)
+            for r, opts in enumerate(options)
+        ]
         # Constructors join the process group together; a failure in one surfaces here.
         resource_wait.get([w.__ray_ready__.remote() for w in self.workers])
 

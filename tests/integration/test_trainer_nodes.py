@@ -1,0 +1,64 @@
+"""Trainer ranks on two Ray nodes meet at the address Ray reports for rank 0's node.
+
+The cluster is real Ray (`ray.cluster_utils.Cluster`): a head node with no CPUs (the driver's, where no
+rank can go) and two nodes of one CPU each that Ray knows by their own loopback addresses, 127.0.0.2 and
+127.0.0.3 (on Linux all of 127/8 reaches this machine), so each rank lands on its own node and every node
+has an address of its own, as on two machines. The rendezvous address the group picks must be rank 0's
+node's; the driver's address would be the wrong one on two machines."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from trainer.group import TrainerGroup
+from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
+from trainer.testing import random_samples
+
+NODES = ("127.0.0.2", "127.0.0.3")
+
+
+@pytest.fixture
+def two_nodes(monkeypatch):
+    tmp = tempfile.mkdtemp(prefix="sprk-", dir="/tmp")  # short: Ray's socket paths live under it
+    monkeypatch.setenv("RAY_TMPDIR", tmp)
+    common = {"include_dashboard": False, "dashboard_agent_listen_port": None, "temp_dir": f"{tmp}/ray"}
+    c = Cluster(initialize_head=True, head_node_args={**common, "num_cpus": 0})
+    try:
+        for ip in NODES:
+            c.add_node(**common, num_cpus=1, node_ip_address=ip)
+        c.wait_for_nodes()
+        c.connect()
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_ranks_on_two_nodes_meet_at_rank0s_node_address(two_nodes, tiny_moe_path):
+    spec = TrainerSpec(
+        model_path=str(tiny_moe_path),
+        dtype="float32",
+        lora=LoraSpec(rank=8, alpha=16.0),
+        optim=OptimSpec(lr=1e-3, total_steps=1),
+        micro_batch_size=2,
+        max_seq_len=32,
+    )
+    group = TrainerGroup(spec, 2)
+    try:
+        where = ray.get(
+            [w.__ray_call__.remote(lambda self: ray.util.get_node_ip_address()) for w in group.workers]
+        )
+        assert sorted(where) == sorted(NODES)  # one rank a node: each node has one CPU
+        assert group.master_addr == where[0] != ray.util.get_node_ip_address()
+        logp, metrics = group.log_probs(random_samples(4, seed=3))  # the gloo group works across them
+        assert len(logp) == 4 and all(np.isfinite(v).all() and (v < 0).all() for v in logp)
+        assert metrics["actor/entropy"] > 0
+    finally:
+        group.shutdown()
