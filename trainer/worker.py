@@ -220,23 +220,24 @@ class TrainerWorker:
         {"r3/replayed_fraction", "actor/entropy"}. No dropout, no gradients. sample_ids: the samples'
         positions in the whole batch (error messages name them)."""
         self._agree(lambda: self._check_samples(samples, sample_ids))
-        policy, _, metrics = self._scoring_pass(samples, policy=True, reference=False)
+        policy, _, metrics = self._scoring_pass(samples, policy=True, reference=False, live=True)
         return policy, metrics
 
     @torch.no_grad()
     def _scoring_pass(
-        self, samples: list[Sample], policy: bool, reference: bool
+        self, samples: list[Sample], policy: bool, reference: bool, live: bool = False
     ) -> tuple[list[np.ndarray] | None, list[np.ndarray] | None, dict[str, float]]:
         """One no-grad pass over the samples' micro-batches (inputs checked by the caller): the policy's
         log-probs (adapter on) and/or the reference's (the base model: adapter switched off, no second copy
         of the weights), each micro-batch under one routing replay for both. -> (policy, reference,
-        metrics); the metrics, {"r3/replayed_fraction", "actor/entropy"}, come with the policy's."""
+        metrics); the metrics, {"r3/replayed_fraction", "actor/entropy"}, come with the policy's, and with
+        live (and spec.r3_live_kl) "r3/live_k3_kl" from one more forward a micro-batch with live routing."""
         self.model.eval()
         mbs = self._micro_batches(samples)
         out = {"policy": [None] * len(samples), "reference": [None] * len(samples)}
         ent_sum = ent_n = live_sum = live_n = 0.0
         # The same spec on every rank, so every rank runs the extra forward (FSDP2 gathers in each one).
-        live = policy and self.spec.r3 and self.spec.r3_live_kl and self.replay is not None
+        live = live and policy and self.spec.r3 and self.spec.r3_live_kl and self.replay is not None
         for mb, idx, dummy in mbs:
             if live:  # the router's own choices: what the on-policy check would read without R3
                 live_logp, _ = self._forward(mb, with_entropy=False)
