@@ -9,7 +9,14 @@ Run it under glibc's heap checker, which the spawned ranks inherit:
       PYTHONFAULTHANDLER=1 .venv/bin/python tests/stress/trainer_heap.py --rounds 500
 
 A rank that aborts takes the run down with its exit code (-6 for SIGABRT) and faulthandler's stacks on
-stderr. Not collected by pytest.
+stderr. Under valgrind's memcheck, which flags a stray write where it happens rather than when glibc next
+trips over it (about 13 minutes for 4 rounds of 8 samples a rank on the 2-core machine; the loader's own
+strncmp over-reads are its only reports on a clean run):
+
+    PYTHONMALLOC=malloc valgrind --trace-children=yes --undef-value-errors=no --error-limit=no \
+      --log-file=vg.%p.log .venv/bin/python tests/stress/trainer_heap.py --rounds 4 --samples 8
+
+Not collected by pytest.
 """
 
 from __future__ import annotations
