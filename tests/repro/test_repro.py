@@ -77,21 +77,21 @@ def kl_runs(tmp_path_factory, ray_cluster, tiny_moe_sft_path):
     run = _run(tmp, "r3_on", common)
     records = read_metrics(run)
     out = {
-        True: np.array([r["rollout_corr/k3_kl"] for r in records]),
-        False: np.array([r["r3/live_k3_kl"] for r in records]),
+        "replayed": np.array([r["rollout_corr/k3_kl"] for r in records]),
+        "live": np.array([r["r3/live_k3_kl"] for r in records]),
     }
     from rl.report import write_report
 
     report = write_report([run], tmp / "report")
     print(report.read_text().split("\n## ")[0])
-    print("k3 KL per step, routing replayed:", " ".join(f"{x:.1e}" for x in out[True]))
-    print("k3 KL per step, live routing:    ", " ".join(f"{x:.1e}" for x in out[False]))
+    print("k3 KL per step, routing replayed:", " ".join(f"{x:.1e}" for x in out["replayed"]))
+    print("k3 KL per step, live routing:    ", " ".join(f"{x:.1e}" for x in out["live"]))
     return out
 
 
 @pytest.mark.slow
 def test_r3_keeps_kl_in_budget_and_live_routing_drifts_more(kl_runs):
-    on, live = kl_runs[True], kl_runs[False]
+    on, live = kl_runs["replayed"], kl_runs["live"]
     assert len(on) == len(live) == 20
     assert on.max() < BUDGET
     assert np.all(on > 0)  # bf16 on both sides never agrees exactly: a zero would mean one side scored itself
@@ -103,7 +103,7 @@ def test_r3_keeps_kl_in_budget_and_live_routing_drifts_more(kl_runs):
 
 @pytest.mark.slow
 def test_r3_kl_median_matches_the_golden_run(kl_runs):
-    on = kl_runs[True]
+    on = kl_runs["replayed"]
     if os.environ.get("SPARKRL_UPDATE_GOLDEN"):
         golden_path().write_text(
             json.dumps(
