@@ -4,6 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.sparkrl-setup
 PYTEST_ARGS ?=
+# Two test files at a time (pytest-xdist, one file to a worker so that a module's shared engine or cluster
+# stays in one process): alone, a test leaves a core idle for much of its time, waiting on engine, Ray and
+# trainer starts. PYTEST_WORKERS=0 runs them one after another in this process.
+PYTEST_WORKERS ?= 2
 # uv resolves and installs the same pins as pip in well under a minute (pip: about 5 minutes). It is
 # installed into the venv from PyPI; INSTALLER=pip (or a machine where uv cannot be had) uses plain pip.
 INSTALLER ?= uv
@@ -42,7 +46,7 @@ demo: setup
 
 test: setup
 	@# --durations: the slowest tests in every log, to keep CI (25 minutes of tests at most) in view.
-	$(BIN)/python -m pytest -m "not gpu" --durations=20 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu" --durations=20 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -259,8 +259,9 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
     )
 
 
-def build_rollout(cfg: SparkConfig, place, rollout_path: str):
-    """The rollout pool (`rollout.pool.RolloutPool`) of the config, on `place` (rl.placement)."""
+def build_rollout(cfg: SparkConfig, place, rollout_path: str, wait: bool = True):
+    """The rollout pool (`rollout.pool.RolloutPool`) of the config, on `place` (rl.placement); `wait=False`
+    returns once its workers are asked for (`RolloutPool.wait_ready` waits for them)."""
     from rollout.pool import RolloutPool
     from rollout.spec import engine_spec_from_config
     from rollout.staging import default_stage_root
@@ -273,11 +274,13 @@ def build_rollout(cfg: SparkConfig, place, rollout_path: str):
         bundle_indices=place.rollout_bundles,
         actor_options=place.rollout_options,
         gpus_per_rank=place.rollout_gpus_per_rank,
+        wait=wait,
     )
 
 
-def build_trainer(cfg: SparkConfig, place, spec):
-    """The trainer group (`trainer.group.TrainerGroup`) of `spec` (`trainer_spec`), on `place` (rl.placement)."""
+def build_trainer(cfg: SparkConfig, place, spec, wait: bool = True):
+    """The trainer group (`trainer.group.TrainerGroup`) of `spec` (`trainer_spec`), on `place` (rl.placement);
+    `wait=False` as in `build_rollout`."""
     from trainer.group import TrainerGroup
 
     return TrainerGroup(
@@ -287,7 +290,16 @@ def build_trainer(cfg: SparkConfig, place, spec):
         placement_group=place.placement_group,
         bundle_offset=place.trainer_bundle_offset,
         num_gpus_per_rank=place.trainer_gpus_per_rank,
+        wait=wait,
     )
+
+
+def workers_start_together(cfg: SparkConfig) -> bool:
+    """Whether the rollout engines and the trainer ranks start at once, their imports and model loads
+    overlapping: with no GPU they share (CPU, or split placement). Colocated on GPUs the engines start
+    first: vLLM sizes its KV cache from the memory it sees free while it profiles, which trainer ranks
+    loading onto the same GPUs would change under it."""
+    return cfg.resources.num_gpus == 0 or cfg.rollout.placement == "split"
 
 
 def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
@@ -306,11 +318,18 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
         if cfg.eval.data and cfg.eval.every > 0
         else []
     )
-    with waiting_for_resources(cfg, "the rollout engines"):
-        rollout = build_rollout(cfg, place, rollout_path)
     spec = trainer_spec(cfg, model_path)
-    with waiting_for_resources(cfg, "the trainer ranks"):
-        trainer = build_trainer(cfg, place, spec)
+    if workers_start_together(cfg):
+        with waiting_for_resources(cfg, "the rollout engines and the trainer ranks"):
+            rollout = build_rollout(cfg, place, rollout_path, wait=False)
+            trainer = build_trainer(cfg, place, spec, wait=False)
+            rollout.wait_ready()
+            trainer.wait_ready()
+    else:
+        with waiting_for_resources(cfg, "the rollout engines"):
+            rollout = build_rollout(cfg, place, rollout_path)
+        with waiting_for_resources(cfg, "the trainer ranks"):
+            trainer = build_trainer(cfg, place, spec)
     reward = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend)
     return Components(
         tokenizer,

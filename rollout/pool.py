@@ -60,6 +60,7 @@ class RolloutPool:
         actor_options: dict | None = None,
         worker_cls: type = RolloutWorker,
         gpus_per_rank: float = 0.0,
+        wait: bool = True,
     ):
         if num_workers < 1:
             raise ValueError(f"RolloutPool: num_workers must be >= 1, got {num_workers}")
@@ -75,7 +76,13 @@ class RolloutPool:
         self._replay: tuple | None = None
         self.restarts = 0
         self.workers = [self._create(i) for i in range(num_workers)]
-        # Surface engine start errors here; inside rl.resource_wait.report_pending, say what is pending.
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until every engine has started (`wait=False` left the caller to call this, after starting other
+        workers beside them). Surfaces engine start errors; inside rl.resource_wait.report_pending, says
+        what is pending."""
         resource_wait.get([w.ping.remote() for w in self.workers])
 
     @staticmethod

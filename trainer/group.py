@@ -37,6 +37,7 @@ class TrainerGroup:
         num_gpus_per_rank: float = 1.0,
         master_addr: str | None = None,
         master_port: int | None = None,
+        wait: bool = True,
     ):
         if num_ranks < 1:
             raise ValueError(f"TrainerGroup: num_ranks must be >= 1, got {num_ranks}")
@@ -66,7 +67,12 @@ class TrainerGroup:
             actor.options(**opts).remote(r, num_ranks, self.master_addr, self.master_port, spec)
             for r, opts in enumerate(options)
         ]
-        # Constructors join the process group together; a failure in one surfaces here.
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until every rank's constructor has returned (`wait=False` left the caller to call this). The
+        constructors join the process group together; a failure in one surfaces here."""
         resource_wait.get([w.__ray_ready__.remote() for w in self.workers])
 
     def _split(self, samples: list[Sample]) -> list[list[int]]:

@@ -42,12 +42,13 @@ def apply_memory_budget(budget: float) -> None:
         torch._dynamo.reset()
 
 
-def apply_compile(layers: nn.ModuleList) -> None:
+def apply_compile(layers: nn.ModuleList, backend: str = "inductor") -> None:
     """Each layer's forward through torch.compile, dynamic shapes (micro-batches differ in length). The layers
-    share their code, and their parameters are graph inputs, so they share compiled graphs too."""
+    share their code, and their parameters are graph inputs, so they share compiled graphs too. `backend`:
+    torch.compile's; the trainer uses inductor, other backends serve tests of the layering."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, backend=backend)
 
 
 def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> None:
@@ -73,6 +74,7 @@ def parallelize(
     activation_checkpointing: bool,
     compile: bool = False,
     activation_memory_budget: float = 0.0,
+    compile_backend: str = "inductor",
 ) -> nn.Module:
     """model: the root module (the causal LM); layers: its decoder layers. Parameters are computed in
     compute_dtype (bf16 on GPU); gradients are reduced in fp32 onto the sharded fp32 LoRA weights.
@@ -82,7 +84,7 @@ def parallelize(
     if compile:
         # Stated for every compiled model, the default included: the setting outlives a model in its process.
         apply_memory_budget(activation_memory_budget if budgeted else DEFAULT_MEMORY_BUDGET)
-        apply_compile(layers)
+        apply_compile(layers, compile_backend)
     if activation_checkpointing and not budgeted:
         apply_activation_checkpointing(layers)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)

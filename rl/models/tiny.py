@@ -9,6 +9,8 @@ cached under `<cache>/tiny/<key>` where key hashes those arguments and the sourc
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -162,12 +164,28 @@ def make_tiny(arch: str, out: str | Path | None = None, seed: int = 0, sft: str 
         raise ValueError(f"make-tiny: --sft must be 'arith' or absent, got {sft!r}")
     cached = cache_dir() / "tiny" / f"{arch}-s{seed}{'-' + sft if sft else ''}-{cache_key(arch, seed, sft)}"
     if not (cached / "config.json").exists():
-        _build_into(cached, arch, seed, sft)
+        with _build_lock(cached):
+            # Another process (a parallel test worker, a second run) may have built it while this one waited.
+            if not (cached / "config.json").exists():
+                _build_into(cached, arch, seed, sft)
     if out is None:
         return cached
     out = Path(out)
     _copy_atomically(cached, out)
     return out
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path):
+    """One builder of `target` at a time on this machine: a second waits, then finds the model built
+    (the SFT'd MoE takes minutes of both cores; building it twice at once doubles them)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _build_into(target: Path, arch: str, seed: int, sft: str | None) -> None:

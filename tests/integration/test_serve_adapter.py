@@ -21,6 +21,8 @@ import pytest
 import requests
 import torch
 
+pytestmark = pytest.mark.slow
+
 TARGET = " 7 7 7 7 7 7"
 MAX_TOKENS = 10
 QUESTIONS = ["What is 2 + 3?", "What is 9 - 4?", "What is 1 + 1?", "What is 8 - 2?"]

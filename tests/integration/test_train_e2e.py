@@ -20,6 +20,8 @@ from rl.config import load_config
 from rl.evaluation import read_records
 from rl.metrics import read_metrics
 
+pytestmark = pytest.mark.slow
+
 # design.md's step metrics that every CPU step reports.
 STEP_KEYS = [
     "reward/mean",

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from rl.config import load_config
 from rl.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
 
 
 def test_grpo_with_an_nvfp4_resident_trainer_keeps_k3_at_the_fp32_floor(tmp_path, tiny_moe_sft_path):

@@ -1,8 +1,9 @@
 """trainer.parallelize with compile=True: each decoder layer through torch.compile, inside activation
 checkpointing, under FSDP2, gives the eager trainer's log-probs and LoRA gradients, with R3 replay active
 and across two sequence lengths (dynamic shapes). Tiny Muse Spark in bf16 (the GPU compute dtype: compiled
-grouped matmuls take bf16 only) on CPU (inductor's C++ backend), one gloo rank; the worker compiles on GPU
-only, this pins the layering it uses. Fused kernels round differently, so both the compiled and the eager
+grouped matmuls take bf16 only) on CPU, one gloo rank; the worker compiles on GPU only, this pins the layering
+it uses, through inductor's graphs and partitioner run eagerly (BACKEND). Decomposed ops round differently
+from eager ones (and inductor's fused kernels on the GPU more so), so both the compiled and the eager
 bf16 trainer are held to an fp32 eager reference (same bf16-rounded weights): compiling may not add more than
 bf16's own error; a layer left out of the recomputation or a LoRA term lost would.
 
@@ -26,6 +27,13 @@ from trainer.lora_experts import GroupedLoraExperts
 from trainer.parallelize import parallelize
 from trainer.routing_replay import RoutingReplay
 from trainer.spec import LoraSpec
+
+pytestmark = pytest.mark.slow
+
+# AOTAutograd with inductor's decompositions and its partitioner (the activation memory budget included),
+# run eagerly instead of through generated code: the graphs, their sharing across layers and the
+# recomputation split are inductor's, without its C++ compile, which the CPU trainer never runs.
+BACKEND = "aot_eager_decomp_partition"
 
 
 @pytest.fixture(autouse=True)
@@ -72,6 +80,7 @@ def _model(mesh, compile: bool, dtype=torch.bfloat16, budget: float = 0.0):
         activation_checkpointing=True,
         compile=compile,
         activation_memory_budget=budget,
+        compile_backend=BACKEND,
     )
     return model, replay
 

