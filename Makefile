@@ -6,7 +6,9 @@ STAMP  := $(VENV)/.sparkrl-setup
 PYTEST_ARGS ?=
 # Two test files at a time (pytest-xdist, one file to a worker so that a module's shared engine or cluster
 # stays in one process): alone, a test leaves a core idle for much of its time, waiting on engine, Ray and
-# trainer starts. PYTEST_WORKERS=0 runs them one after another in this process.
+# trainer starts. Files go out in collection order (--no-loadscope-reorder; xdist would sort them by test
+# count), which tests/conftest.py starts with the files of slow tests. PYTEST_WORKERS=0 runs them one after
+# another in this process.
 PYTEST_WORKERS ?= 2
 # uv resolves and installs the same pins as pip in well under a minute (pip: about 5 minutes). It is
 # installed into the venv from PyPI; INSTALLER=pip (or a machine where uv cannot be had) uses plain pip.
@@ -46,7 +48,7 @@ demo: setup
 
 test: setup
 	@# --durations: the slowest tests in every log, to keep CI (25 minutes of tests at most) in view.
-	$(BIN)/python -m pytest -m "not gpu" --durations=20 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu" --durations=20 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

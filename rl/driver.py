@@ -92,7 +92,7 @@ class Run:
 
     def train(self) -> dict:
         start = time.perf_counter()
-        self._install_signal_handlers()
+        previous = self._install_signal_handlers()
         if notice := compile_notice(self.cfg):
             self.log.event(notice)
         try:
@@ -114,6 +114,8 @@ class Run:
                     break
         finally:
             self.log.close()
+            for sig, handler in previous.items():  # a caller's own handlers (a notebook's, a test's) are back
+                signal.signal(sig, handler)
         from rl.report import write_report
 
         summary = self.summary(time.perf_counter() - start)
@@ -344,7 +346,9 @@ class Run:
                 f"or choose another run.name"
             )
 
-    def _install_signal_handlers(self) -> None:
+    def _install_signal_handlers(self) -> dict:
+        """SIGTERM and SIGINT finish the step, checkpoint and stop; returns the handlers they replace."""
+
         def handler(signum, frame):
             if self._stop_signal:  # second signal: stop now
                 raise KeyboardInterrupt
@@ -354,8 +358,11 @@ class Run:
                 f"(send again to stop at once)"
             )
 
+        previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.getsignal(sig)
             signal.signal(sig, handler)
+        return previous
 
     def summary(self, seconds: float) -> dict:
         from rl.metrics import read_metrics

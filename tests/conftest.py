@@ -18,7 +18,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 def pytest_collection_modifyitems(config, items):
     # Files with a slow test first (each file's tests in their own order): `make test` runs two files at a
-    # time (pytest-xdist, --dist loadfile), and a file of minutes that starts last ends the run alone.
+    # time (pytest-xdist, --dist loadfile, in this order), and a file of minutes that starts last ends the
+    # run alone.
     slow_files = {item.nodeid.split("::")[0] for item in items if "slow" in item.keywords}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)
     try:
