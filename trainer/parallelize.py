@@ -42,10 +42,10 @@ def apply_memory_budget(budget: float) -> None:
         torch._dynamo.reset()
 
 
-def apply_compile(layers: nn.ModuleList, backend: str = "inductor") -> None:
+def apply_compile(layers: nn.ModuleList, backend: str) -> None:
     """Each layer's forward through torch.compile, dynamic shapes (micro-batches differ in length). The layers
     share their code, and their parameters are graph inputs, so they share compiled graphs too. `backend`:
-    torch.compile's; the trainer uses inductor, other backends serve tests of the layering."""
+    torch.compile's (`parallelize` says which)."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for layer in layers:
         layer.compile(dynamic=True, backend=backend)
@@ -78,6 +78,8 @@ def parallelize(
 ) -> nn.Module:
     """model: the root module (the causal LM); layers: its decoder layers. Parameters are computed in
     compute_dtype (bf16 on GPU); gradients are reduced in fp32 onto the sharded fp32 LoRA weights.
+    compile_backend: torch.compile's for the layers; the trainer uses inductor, other backends serve tests
+    of the layering.
     activation_memory_budget > 0 with compile: the partitioner's budget instead of whole-layer
     checkpointing, whatever activation_checkpointing says; without compile it is ignored."""
     budgeted = compile and activation_memory_budget > 0
