@@ -55,6 +55,12 @@ class AlgoConfig:
     mis_token_bounds: tuple[float, float] | None = None  # masked IS, ratio bounds per token
     mis_seq_bounds: tuple[float, float] | None = None  # masked IS, bounds on the geometric-mean ratio
 
+    @property
+    def corrects_rollout(self) -> bool:
+        """TIS or MIS on: the loss reweights by trainer/rollout ratios of the old log-probs."""
+        bounds = (self.tis_cap, self.mis_token_bounds, self.mis_seq_bounds)
+        return any(b is not None for b in bounds)
+
 
 # ----------------------------------------------------------------------------------------------------
 # Input checks: a bad tensor is a ValueError that names it, never a NaN loss later.

@@ -9,6 +9,9 @@
         rollout.load(trainer.export())                        # 6. adapter v+1 (or merged weights)
         evaluate() every eval.every steps                     # 7. mean@k on the rollout workers
 
+A batch trained in one on-policy optimizer step (no mini-batches, no TIS/MIS) skips 4: the update's own
+forward, taken before its optimizer step, gives the same log-probs (`TrainerGroup.can_score_in_update`).
+
 Everything the step needs is built once in `Run.__init__` from the typed config; the config itself never
 reaches the workers, only the small specs made from it.
 """
@@ -132,24 +135,24 @@ class Run:
             self.rollout.sleep()
         t_rollout = time.perf_counter()
 
-        # 4. Trainer log-probs with adapter v and the rollout's routing: the on-policy check.
-        old_logp, logp_metrics = self.trainer.log_probs(samples)
-        metrics.update(logp_metrics)
-        metrics.update(mismatch_metrics(old_logp, samples))
-        warning = self.monitor.check(metrics["rollout_corr/k3_kl"])
-        if warning:
-            self.log.event(f"[red]step {step}: KL budget broken: {warning}")
-            if cfg.monitor.stop_on_violation:
-                self.checkpoint()
-                raise StopRun(f"step {step}: {warning} (monitor.stop_on_violation is set)")
-        metrics["monitor/kl_violations"] = self.monitor.violations
-
-        # 5. GRPO update.
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group for s in samples])
-        advantages = algo.compute_advantages(rewards, groups, estimator=self.adv_estimator)
-        t_train = time.perf_counter()
-        train_metrics = self.trainer.train_step(samples, advantages.tolist(), old_logp)
+        advantages = algo.compute_advantages(rewards, groups, estimator=self.adv_estimator).tolist()
+        # A single on-policy update scores the batch in its own forward, before its optimizer step: the
+        # log-probs of adapter v that step 4 would compute, without a pass of their own. A run that stops on
+        # a KL violation keeps the separate pass, so that it stops before the update.
+        if not cfg.monitor.stop_on_violation and self.trainer.can_score_in_update(samples):
+            t_train = t_rollout
+            train_metrics, logp = self.trainer.train_step(samples, advantages, return_logprobs=True)
+            self._check_kl(step, metrics, logp, samples)
+        else:
+            # 4. Trainer log-probs with adapter v and the rollout's routing: the on-policy check.
+            logp, logp_metrics = self.trainer.log_probs(samples)
+            metrics.update(logp_metrics)
+            self._check_kl(step, metrics, logp, samples)
+            # 5. GRPO update.
+            t_train = time.perf_counter()
+            train_metrics = self.trainer.train_step(samples, advantages, logp)
         self._count_skips(step, train_metrics)
         metrics.update(train_metrics)
         t_sync = time.perf_counter()
@@ -181,6 +184,17 @@ class Run:
             }
         )
         return metrics
+
+    def _check_kl(self, step: int, metrics: dict, logp: list[np.ndarray], samples: list[Sample]) -> None:
+        """The on-policy check: trainer vs rollout log-probs into metrics, against the KL budget."""
+        metrics.update(mismatch_metrics(logp, samples))
+        warning = self.monitor.check(metrics["rollout_corr/k3_kl"])
+        if warning:
+            self.log.event(f"[red]step {step}: KL budget broken: {warning}")
+            if self.cfg.monitor.stop_on_violation:
+                self.checkpoint()
+                raise StopRun(f"step {step}: {warning} (monitor.stop_on_violation is set)")
+        metrics["monitor/kl_violations"] = self.monitor.violations
 
     def collect_batch(self, step: int, metrics: dict) -> tuple[list[Sample], float]:
         """Steps 1-3: generate, score, and (with dynamic sampling) keep only groups that carry signal."""

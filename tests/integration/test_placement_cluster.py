@@ -45,42 +45,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def cluster(monkeypatch):
-    """Start a cluster of `nodes` x (8 GPUs, 16 CPUs: two a bundle) and connect to it."""
-    clusters = []
-    # Ray writes the cluster's address under its temp dir for `ray.init("auto")`: keep it to this test.
+@pytest.fixture(scope="module")
+def cluster():
+    """A cluster of two nodes of 8 GPUs and 16 CPUs (two a bundle), connected, for the module: the Muse
+    recipe spans both; the Qwen3 recipe's group, reserved after Muse's is removed, packs into one."""
+    # Ray writes the cluster's address under its temp dir for `ray.init("auto")`: keep it to this module.
     tmp = tempfile.mkdtemp(prefix="sprk-", dir="/tmp")  # short: Ray's socket paths live under it
-    monkeypatch.setenv("RAY_TMPDIR", tmp)
+    env = pytest.MonkeyPatch()
+    env.setenv("RAY_TMPDIR", tmp)
     # The stand-in actors below are this module's classes: the nodes' workers import it as pytest does
     # (`integration.test_placement_cluster`, from tests/).
     tests_dir = str(Path(__file__).resolve().parents[1])
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
-    )
+    env.setenv("PYTHONPATH", os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
     os.makedirs(os.path.join(tmp, "ray"))
-
-    def start(nodes: int) -> Cluster:
-        node = {
-            "num_cpus": 16,
-            "num_gpus": 8,
-            "include_dashboard": False,
-            "dashboard_agent_listen_port": None,  # Ray's default is a fixed port; None: a random one
-            "temp_dir": os.path.join(tmp, "ray"),
-        }
-        c = Cluster(initialize_head=True, head_node_args={**node, "gcs_server_port": _free_port()})
-        for _ in range(nodes - 1):
-            c.add_node(**node)
+    node = {
+        "num_cpus": 16,
+        "num_gpus": 8,
+        "include_dashboard": False,
+        "dashboard_agent_listen_port": None,  # Ray's default is a fixed port; None: a random one
+        "temp_dir": os.path.join(tmp, "ray"),
+    }
+    c = Cluster(initialize_head=True, head_node_args={**node, "gcs_server_port": _free_port()})
+    try:
+        c.add_node(**node)
         c.wait_for_nodes()
         c.connect()
-        clusters.append(c)
-        return c
-
-    yield start
-    ray.shutdown()
-    for c in clusters:
+        yield c
+    finally:
+        ray.shutdown()
         c.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
+        env.undo()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class EngineStandIn:
@@ -147,7 +142,7 @@ def _pool(cfg, place):
 
 
 def test_muse_reserves_16_gpus_on_two_nodes_one_engine_a_node(cluster):
-    c = cluster(2)
+    c = cluster
     cfg = load_config(ROOT / "recipes" / "muse_spark_open_dapo_lora.yaml", ["run.name=place-muse"])
     place = create_placement(cfg)
     try:
@@ -176,7 +171,6 @@ def test_muse_reserves_16_gpus_on_two_nodes_one_engine_a_node(cluster):
 
 
 def test_qwen3_fills_one_node_with_trainer_ranks_and_tp_ranks(cluster):
-    cluster(1)
     cfg = load_config(ROOT / "recipes" / "qwen3_30b_a3b_dapo_lora.yaml", ["run.name=place-qwen"])
     place = create_placement(cfg)
     pg = place.placement_group

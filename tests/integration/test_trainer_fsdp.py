@@ -102,6 +102,15 @@ def group():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def mb_group(group):
+    """A group of mb_spec(): mini-batches over two epochs, the KL loss and the entropy bonus."""
+    group.shutdown()  # this file's 2 CPUs hold one group at a time
+    g = TrainerGroup(mb_spec(), num_ranks=2)
+    yield g
+    g.shutdown()
+
+
 def test_two_ranks_match_the_single_process_reference(group, reference, batch, tmp_path_factory):
     model, replay = reference
     samples, advantages, old, ref_lp = batch
@@ -218,11 +227,38 @@ def test_bad_input_is_named_and_no_rank_hangs(group, batch, tmp_path):
     assert len(logps) == len(samples)
 
 
-def test_mini_batches_epochs_kl_and_entropy_match_the_reference(group, batch):
+def test_one_on_policy_step_scores_the_batch_in_its_own_forward(group, batch, tmp_path):
+    """train_step(return_logprobs=True), what the driver runs for a batch of one on-policy step: the
+    log-probs from the update's forward are those `log_probs` gives before the step, and the step is the one
+    taken with them passed as the old log-probs."""
+    samples, advantages, _, _ = batch
+    assert group.can_score_in_update(samples)
+    before, _ = group.log_probs(samples)
+    with pytest.raises(ValueError, match="return_logprobs needs one on-policy optimizer step"):
+        group.train_step(samples, advantages, before, return_logprobs=True)
+    group.save_checkpoint(str(tmp_path / "ckpt"))
+    fused, scored = group.train_step(samples, advantages, return_logprobs=True)
+    fused_adapter, _ = group.export_adapter()
+    for got, want in zip(scored, before):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert fused["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7) and "trainer/base_bytes" in fused
+
+    group.load_checkpoint(str(tmp_path / "ckpt"))
+    separate = group.train_step(samples, advantages, before)
+    separate_adapter, _ = group.export_adapter()
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "r3/replayed_fraction"):
+        assert fused[k] == pytest.approx(separate[k], rel=1e-5, abs=1e-7), k
+    for k, v in fused_adapter.items():
+        torch.testing.assert_close(
+            v, separate_adapter[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}"
+        )
+
+
+def test_mini_batches_epochs_kl_and_entropy_match_the_reference(mb_group, batch):
     """Six optimizer steps over one batch (3 prompts x 2 epochs), on-policy (old log-probs from the pass
     before the first update), against the same steps taken by the single-process reference."""
     samples, advantages, _, _ = batch
-    group.shutdown()  # this file's 2 CPUs hold one group at a time
     spec = mb_spec()
     from transformers import AutoModelForCausalLM
 
@@ -257,32 +293,33 @@ def test_mini_batches_epochs_kl_and_entropy_match_the_reference(group, batch):
         for k in want:
             want[k].append(m[k])
 
-    mb = TrainerGroup(spec, num_ranks=2)
-    try:
-        got = mb.train_step(samples, advantages)
-        assert got["actor/optimizer_steps"] == 6
-        assert got["actor/lr"] == pytest.approx(lrs[0])
-        for k, values in want.items():
-            assert got[k] == pytest.approx(np.mean(values), rel=2e-3, abs=1e-4), k
-        # The first mini-batch trains on-policy (ratio 1); the later ones see a moved policy.
-        assert want["actor/ppo_kl"][0] == pytest.approx(0.0, abs=1e-7) and abs(got["actor/ppo_kl"]) > 1e-6
-        assert got["actor/kl_loss"] > 0  # the adapter (random B) moves the policy off the base model
-        logps, _ = mb.log_probs(samples)
-        with torch.no_grad():
-            after = [reference_logprobs(model, s, replay) for s in samples]
-        for g, w in zip(logps, after):
-            np.testing.assert_allclose(g, w.numpy(), atol=1e-3)
-    finally:
-        mb.shutdown()
+    mb = mb_group
+    # six steps: the old log-probs come from a pass of their own
+    assert not mb.can_score_in_update(samples)
+    got = mb.train_step(samples, advantages)
+    assert got["actor/optimizer_steps"] == 6
+    assert got["actor/lr"] == pytest.approx(lrs[0])
+    for k, values in want.items():
+        assert got[k] == pytest.approx(np.mean(values), rel=2e-3, abs=1e-4), k
+    # The first mini-batch trains on-policy (ratio 1); the later ones see a moved policy.
+    assert want["actor/ppo_kl"][0] == pytest.approx(0.0, abs=1e-7) and abs(got["actor/ppo_kl"]) > 1e-6
+    assert got["actor/kl_loss"] > 0  # the adapter (random B) moves the policy off the base model
+    logps, _ = mb.log_probs(samples)
+    with torch.no_grad():
+        after = [reference_logprobs(model, s, replay) for s in samples]
+    for g, w in zip(logps, after):
+        np.testing.assert_allclose(g, w.numpy(), atol=1e-3)
 
 
-def test_resume_gives_the_same_next_step(batch, tmp_path):
+def test_resume_gives_the_same_next_step(mb_group, batch, tmp_path):
     """Last in this file: with mini-batches (6 optimizer steps a batch), a step after a resume, in the same
-    processes and in fresh ones, equals the uninterrupted step bit for bit."""
+    processes and in fresh ones, equals the uninterrupted step bit for bit. On the mini-batch test's group
+    (a batch in, when that test ran)."""
     samples, advantages, old, _ = batch
     second = random_samples(4, seed=11)
     adv2 = [0.5, -1.0, 1.5, -0.2]
-    group = TrainerGroup(mb_spec(), num_ranks=2)
+    group = mb_group
+    batches_before = group.batches
     try:
         first = group.train_step(samples, advantages, old)
         assert first["actor/optimizer_steps"] == 6
@@ -292,7 +329,7 @@ def test_resume_gives_the_same_next_step(batch, tmp_path):
         after, _ = group.export_adapter()
 
         step = group.load_checkpoint(str(tmp_path / "ckpt"))
-        assert step == 1
+        assert step == batches_before + 1
         resumed = group.train_step(second, adv2)
         again, _ = group.export_adapter()
         for k in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/entropy", "actor/kl_loss"):
@@ -300,7 +337,7 @@ def test_resume_gives_the_same_next_step(batch, tmp_path):
         for k in after:
             assert torch.equal(after[k], again[k]), k
     finally:
-        group.shutdown()
+        group.shutdown()  # the CPUs go to the fresh group
 
     # A fresh set of processes (a restarted run) resumes to the same step too.
     fresh = TrainerGroup(mb_spec(), num_ranks=2)
