@@ -7,6 +7,7 @@ numpy so that a batch crosses Ray process boundaries cheaply and without torch i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,10 @@ class Sample:
     ground_truth: str = ""
     # [len(prompt) + len(response) - 1, num_layers, top_k], uint8 or uint16; None without R3 / dense.
     routed_experts: np.ndarray | None = None
+    # Or, in a run, a Ray ObjectRef to that array in the object store of the rollout worker's node: the
+    # routing goes from the rollout worker to the trainer rank that trains the sample, never through the
+    # driver; the rank fetches it and fills routed_experts (trainer.worker).
+    routing_ref: Any = None
     # Filled by the reward step.
     reward: float | None = None
     acc: bool | None = None
@@ -49,3 +54,9 @@ class Sample:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    def payload_bytes(self) -> int:
+        """The bytes moving this sample between processes carries: token ids (4 bytes each), log-probs,
+        and the routing when held by value (a `routing_ref` is a few dozen bytes)."""
+        n = 4 * self.num_tokens + self.response_logprobs.nbytes
+        return n + (self.routed_experts.nbytes if self.routed_experts is not None else 0)

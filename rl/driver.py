@@ -130,7 +130,7 @@ class Run:
         metrics: dict[str, float] = {}
 
         # 1-3. Rollout, reward, dynamic sampling.
-        samples, gen_s = self.collect_batch(step, metrics)
+        samples, gen_s, received_bytes = self.collect_batch(step, metrics)
         if self.colocated:  # hand the GPUs to the trainer: weights to host memory, KV cache dropped
             self.rollout.sleep()
         t_rollout = time.perf_counter()
@@ -141,11 +141,13 @@ class Run:
         # A single on-policy update scores the batch in its own forward, before its optimizer step: the
         # log-probs of adapter v that step 4 would compute, without a pass of their own. A run that stops on
         # a KL violation keeps the separate pass, so that it stops before the update.
+        trainer_calls = 1
         if not cfg.monitor.stop_on_violation and self.trainer.can_score_in_update(samples):
             t_train = t_rollout
             train_metrics, logp = self.trainer.train_step(samples, advantages, return_logprobs=True)
             self._check_kl(step, metrics, logp, samples)
         else:
+            trainer_calls = 2
             # 4. Trainer log-probs with adapter v and the rollout's routing: the on-policy check.
             logp, logp_metrics = self.trainer.log_probs(samples)
             metrics.update(logp_metrics)
@@ -155,6 +157,11 @@ class Run:
             train_metrics = self.trainer.train_step(samples, advantages, logp)
         self._count_skips(step, train_metrics)
         metrics.update(train_metrics)
+        # The batch's bytes through this process: the samples in from the rollout (every draw), out to
+        # the trainer ranks (once a call), the log-probs back. R3's routing is not among them (it goes
+        # from rollout worker to trainer rank by reference: Sample.routing_ref).
+        sent = trainer_calls * sum(s.payload_bytes() for s in samples)
+        metrics["perf/driver_bytes"] = received_bytes + sent + sum(x.nbytes for x in logp)
         t_sync = time.perf_counter()
 
         # 6. Send the new policy to the rollout workers.
@@ -196,14 +203,15 @@ class Run:
                 raise StopRun(f"step {step}: {warning} (monitor.stop_on_violation is set)")
         metrics["monitor/kl_violations"] = self.monitor.violations
 
-    def collect_batch(self, step: int, metrics: dict) -> tuple[list[Sample], float]:
-        """Steps 1-3: generate, score, and (with dynamic sampling) keep only groups that carry signal."""
+    def collect_batch(self, step: int, metrics: dict) -> tuple[list[Sample], float, int]:
+        """Steps 1-3: generate, score, and (with dynamic sampling) keep only groups that carry signal.
+        -> (kept samples, generation seconds, payload bytes received from the rollout workers)."""
         cfg = self.cfg
         want = cfg.data.train_batch_size
         draws = cfg.algorithm.dynamic_sampling.max_draws if cfg.algorithm.dynamic_sampling.enabled else 1
         kept: list[Sample] = []
         all_samples: list[Sample] = []
-        gen_s, reward_errors = 0.0, 0.0
+        gen_s, reward_errors, received = 0.0, 0.0, 0
         for draw in range(draws):
             prompts = self.loader.next_batch(want if draw == 0 else want - len({s.group for s in kept}))
             t = time.perf_counter()
@@ -211,6 +219,7 @@ class Run:
                 prompt_requests(prompts, offset=draw * want), self._sampling(train_stream(step, draw))
             )
             gen_s += time.perf_counter() - t
+            received += sum(s.payload_bytes() for s in samples)
             reward_errors += self._score(samples)
             all_samples.extend(samples)
             if not cfg.algorithm.dynamic_sampling.enabled:
@@ -227,7 +236,7 @@ class Run:
             kept = all_samples[: want * cfg.rollout.n]
         metrics.update(batch_metrics(all_samples, kept, cfg.rollout.max_response_len))
         metrics["reward/errors"] = reward_errors
-        return kept, gen_s
+        return kept, gen_s, received
 
     def sync_weights(self) -> dict:
         if self.cfg.sync.mode == "adapter":
@@ -236,7 +245,7 @@ class Run:
             # The tensors go from the trainer's object store to the rollout workers, not through the driver.
             tensors, peft_config = self.trainer.export_adapter_ref(dtype=self.cfg.model.dtype)
             return self.rollout.load_adapter(tensors, peft_config, self.version)
-        return self.rollout.load_merged_weights(self.trainer.export_merged(), self.version)
+        return self.rollout.load_merged_weights(self.trainer.export_merged_ref(), self.version)
 
     def evaluate(self, step: int) -> dict:
         """Step 7: k samples per eval problem on the rollout workers; mean@k, maj@k, best@k per source."""

@@ -10,9 +10,9 @@ with PEFT here and the merged weights are pushed instead. Per-sample records go 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from rl.adapter_files import read_peft_dir
 from rl.checkpoint import latest_checkpoint
 from rl.config import SparkConfig, run_dir
 
@@ -81,8 +81,9 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
     try:
         if adapter is not None:
             if cfg.sync.mode == "adapter":
-                config = json.loads((adapter / "adapter_config.json").read_text())
-                pool.load_adapter(str(adapter), config, 1)
+                # read here and sent as tensors: a rollout worker on another node may not see this path
+                tensors, config = read_peft_dir(adapter)
+                pool.load_adapter(tensors, config, 1)
             else:
                 pool.load_merged_weights(merged_weights(model_path, adapter, cfg.model.dtype), 1)
         samples = pool.generate(prompt_requests(prompts), sampling_spec(cfg, cfg.rollout.seed, eval=True))

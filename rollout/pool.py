@@ -184,9 +184,10 @@ class RolloutPool:
         metrics = self._call("load_adapter", [(ref, peft_config, version)] * self.num_workers)
         return self._sync_metrics(metrics, start)
 
-    def load_merged_weights(self, named_tensors: dict, version: int) -> dict:
+    def load_merged_weights(self, named_tensors, version: int) -> dict:
+        """named_tensors: the weights, or a Ray reference to them (TrainerGroup.export_merged_ref)."""
         start = time.perf_counter()
-        ref = ray.put(named_tensors)
+        ref = named_tensors if isinstance(named_tensors, ray.ObjectRef) else ray.put(named_tensors)
         self._replay = ("merged", ref, version)
         metrics = self._call("load_merged_weights", [(ref, version)] * self.num_workers)
         return self._sync_metrics(metrics, start)

@@ -37,6 +37,9 @@ class EngineSpec:
     # R3: read each sample's routing once, as it finishes (rollout/vllm_ext.py), not vLLM's per-step stream
     # (not a `vllm.LLM` argument: it picks the engine's scheduler class)
     routing_at_finish: bool = True
+    # R3 in a run: each sample's routing is put in the object store of this worker's node and the Sample
+    # carries the reference (Sample.routing_ref), not the array; needs the worker to run in Ray
+    routing_by_reference: bool = False
     enable_sleep_mode: bool = False  # colocated placement: free the GPU while the trainer runs
     moe_backend: str = "auto"  # "marlin" pins weight-only FP4 experts to Marlin
     enable_prefix_caching: bool = True
@@ -159,6 +162,7 @@ def engine_spec_from_config(cfg, model_path: str) -> EngineSpec:
         max_lora_rank=cfg.lora.rank,
         lora_experts_stacked=cfg.sync.expert_layout == "stacked",
         return_routed_experts=cfg.r3.enabled,
+        routing_by_reference=cfg.r3.enabled,
         enable_sleep_mode=on_gpu and ro.placement == "colocated",
         moe_backend=ro.moe_backend,
         enable_prefix_caching=ro.enable_prefix_caching,

@@ -362,6 +362,13 @@ class RolloutWorker:
                         routed_experts=routed,
                     )
                 )
+        if capture and self.spec.routing_by_reference:
+            import ray
+
+            # Owned by this actor, in its node's object store: the trainer rank that trains the sample
+            # fetches it; the driver only passes the reference on.
+            for s in samples:
+                s.routing_ref, s.routed_experts = ray.put(s.routed_experts), None
         return samples
 
     def prompt_logprobs(self, token_ids_list: list[list[int]], use_adapter: bool = True) -> list[np.ndarray]:

@@ -166,6 +166,15 @@ class TrainerGroup:
     def export_merged(self) -> dict[str, torch.Tensor]:
         return self._on_all("export_merged")[0]
 
+    def export_merged_ref(self) -> ray.ObjectRef:
+        """As export_merged, but the weights stay in the object store of rank 0's node (a reference to its
+        dict): the rollout workers read them from there, not through the driver."""
+        refs = [w.export_merged.remote() for w in self.workers]
+        # The other ranks' None: every rank is done (the gathers are collective). An error of rank 0's
+        # surfaces where the rollout workers resolve the reference.
+        ray.get(refs[1:])
+        return refs[0]
+
     def gradients(self) -> dict[str, torch.Tensor]:
         return self._on_all("gradients")[0]
 

@@ -116,6 +116,7 @@ class TrainerWorker:
         # trainer/base_bytes: this rank's resident bytes of the weights the checkpoint holds in NVFP4
         self.base_bytes = sharded_load.frozen_base_bytes(self.model, spec.model_path)
         self._base_bytes_reported = False
+        self._routing_cache: dict[str, np.ndarray] = {}  # this batch's fetched routing, by object id
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, spec.optim)
         self.step = 0
@@ -141,9 +142,36 @@ class TrainerWorker:
             dist.all_gather_object(messages, message)
             raise ValueError(next(m for m in messages if m is not None))
 
+    def _fetch_routing(self, samples: list[Sample], ids: list[int]) -> None:
+        """Fill routed_experts of the samples that carry a routing_ref, fetched from the rollout workers'
+        object stores. Once a batch: what the log-prob pass fetched is kept for the update, which ends
+        the batch (and empties the cache)."""
+        pending = [s for s in samples if s.routing_ref is not None]
+        missing = {s.routing_ref.hex(): s.routing_ref for s in pending}
+        missing = {k: ref for k, ref in missing.items() if k not in self._routing_cache}
+        if missing:
+            import ray
+            from ray.exceptions import ObjectLostError
+
+            try:
+                arrays = ray.get(list(missing.values()))
+            except ObjectLostError as e:  # its owner, the rollout worker, or that worker's node is gone
+                lost = [i for i, s in zip(ids, samples) if s.routing_ref is not None]
+                raise ValueError(
+                    f"the routing of samples {lost[:8]}{'...' if len(lost) > 8 else ''} was lost with the "
+                    f"rollout worker that held it ({type(e).__name__}: {e})"
+                ) from e
+            # Copies: Ray hands a numpy array out of shared memory read-only and without copying, and
+            # the memory goes back to the store when the reference does.
+            self._routing_cache.update({k: np.array(a, copy=True) for k, a in zip(missing, arrays)})
+        for s in pending:
+            s.routed_experts, s.routing_ref = self._routing_cache[s.routing_ref.hex()], None
+
     def _check_samples(self, samples: list[Sample], sample_ids: list[int] | None) -> None:
-        """sample_ids: the samples' positions in the whole batch, for error messages."""
+        """sample_ids: the samples' positions in the whole batch, for error messages. Fetches routing held
+        by reference first (collectively checked: a lost object fails every rank at once)."""
         ids = sample_ids if sample_ids is not None else list(range(len(samples)))
+        self._fetch_routing(samples, ids)
         check_lengths(samples, self.spec.max_seq_len, ids)
         if self.spec.r3 and self.replay is not None:
             for i, s in zip(ids, samples):
@@ -385,6 +413,7 @@ class TrainerWorker:
             per_step.append(m)
             rows += self._row_counts(mbs)
         self.step += 1
+        self._routing_cache.clear()  # the batch is done
         metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
         replayed, routable, total = self._all_reduce(rows.tolist())
         metrics.update(

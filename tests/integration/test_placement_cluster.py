@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -53,10 +54,9 @@ def cluster():
     tmp = tempfile.mkdtemp(prefix="sprk-", dir="/tmp")  # short: Ray's socket paths live under it
     env = pytest.MonkeyPatch()
     env.setenv("RAY_TMPDIR", tmp)
-    # The stand-in actors below are this module's classes: the nodes' workers import it as pytest does
-    # (`integration.test_placement_cluster`, from tests/).
-    tests_dir = str(Path(__file__).resolve().parents[1])
-    env.setenv("PYTHONPATH", os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
+    # The stand-in actors below are this module's classes, sent by value: the nodes' workers need not
+    # import this module (nor, but for the engine stand-ins' rollout.worker, torch: 20 actors start here).
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     os.makedirs(os.path.join(tmp, "ray"))
     node = {
         "num_cpus": 16,
@@ -75,6 +75,7 @@ def cluster():
         ray.shutdown()
         c.shutdown()
         env.undo()
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
         shutil.rmtree(tmp, ignore_errors=True)
 
 
