@@ -90,7 +90,7 @@ def sync_adapter(s: Setup, version: int) -> dict:
     if s.cfg.sync.mode == "adapter":
         tensors, peft_config = s.trainer.export_adapter_ref(dtype=s.cfg.model.dtype)
         return s.rollout.load_adapter(tensors, peft_config, version)
-    return s.rollout.load_merged_weights(s.trainer.export_merged(), version)
+    return s.rollout.load_merged_weights(s.trainer.export_merged_ref(), version)
 
 
 def parser(bench: Bench) -> argparse.ArgumentParser:

@@ -17,8 +17,6 @@ samples, can be compared pairwise.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from bench.common import Bench, main, sync_adapter
@@ -56,7 +54,7 @@ def measure(s, args) -> list[dict]:
     for name, replay in (("r3_on", True), ("r3_off", False)):
         if not replay and not cfg.r3.enabled:
             continue
-        scored = samples if replay else [dataclasses.replace(x, routed_experts=None) for x in samples]
+        scored = samples if replay else [x.without_routing() for x in samples]
         logp, m = s.trainer.log_probs(scored)
         extra = {
             "r3_replayed_fraction": m.get("r3/replayed_fraction", 0.0),

@@ -6,7 +6,7 @@ numpy so that a batch crosses Ray process boundaries cheaply and without torch i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,10 @@ class Sample:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    def without_routing(self) -> Sample:
+        """A copy that the trainer scores with its own (live) routing: no routed_experts, no routing_ref."""
+        return replace(self, routed_experts=None, routing_ref=None)
 
     def payload_bytes(self) -> int:
         """The bytes moving this sample between processes carries: token ids (4 bytes each), log-probs,
