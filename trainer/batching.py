@@ -40,6 +40,15 @@ def split_by_tokens(lengths: list[int], num_ranks: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
+def in_batch_order(size: int, parts: list[list[int]], values: list[list]) -> list:
+    """Per-part results back in the batch's order: values[k][j] belongs at position parts[k][j]."""
+    out: list = [None] * size
+    for positions, part_values in zip(parts, values):
+        for i, v in zip(positions, part_values):
+            out[i] = v
+    return out
+
+
 def pack_micro_batches(lengths: list[int], max_samples: int, max_tokens: int) -> list[list[int]]:
     """Groups of sample indices, each within max_samples and max_tokens padded tokens (0 = no limit).
     Samples are sorted by length first so that a micro-batch holds similar lengths (little padding)."""

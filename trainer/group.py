@@ -9,7 +9,7 @@ import torch
 
 from rl import resource_wait
 from rl.batch import Sample
-from trainer.batching import split_by_tokens
+from trainer.batching import in_batch_order, split_by_tokens
 from trainer.minibatch import mini_batch_plan, steps_per_batch
 from trainer.rendezvous import rank0_endpoint
 from trainer.spec import TrainerSpec
@@ -83,11 +83,7 @@ class TrainerGroup:
         results = ray.get(
             [w.log_probs.remote([samples[i] for i in p], p) for w, p in zip(self.workers, parts)]
         )
-        out: list[np.ndarray | None] = [None] * len(samples)
-        for p, (values, _) in zip(parts, results):
-            for i, v in zip(p, values):
-                out[i] = v
-        return out, results[0][1]
+        return in_batch_order(len(samples), parts, [values for values, _ in results]), results[0][1]
 
     def can_score_in_update(self, samples: list[Sample]) -> bool:
         """Whether `train_step(..., return_logprobs=True)` gives this batch's log-probs at the current
@@ -143,11 +139,7 @@ class TrainerGroup:
         self.batches += 1
         if not return_logprobs:
             return results[0]
-        out: list[np.ndarray | None] = [None] * len(samples)
-        for held, (_, values) in zip(helds, results):
-            for i, v in zip(held, values):
-                out[i] = v
-        return results[0][0], out
+        return results[0][0], in_batch_order(len(samples), helds, [values for _, values in results])
 
     def _on_all(self, method: str, *args):
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])

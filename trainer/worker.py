@@ -36,7 +36,7 @@ from rl.batch import Sample
 from rl.compat import hf_checkpoint_state_dict
 from rl.worker_logs import capture
 from trainer import checkpoint_io, logprobs, lora, sharded_load
-from trainer.batching import MicroBatch, check_lengths, make_micro_batch, pack_micro_batches
+from trainer.batching import MicroBatch, check_lengths, in_batch_order, make_micro_batch, pack_micro_batches
 from trainer.nvfp4 import is_nvfp4_checkpoint
 from trainer.nvfp4_tensor import gather_frozen
 from trainer.optim import make_optimizer
@@ -147,8 +147,11 @@ class TrainerWorker:
         object stores. Once a batch: what the log-prob pass fetched is kept for the update, which ends
         the batch (and empties the cache)."""
         pending = [s for s in samples if s.routing_ref is not None]
-        missing = {s.routing_ref.hex(): s.routing_ref for s in pending}
-        missing = {k: ref for k, ref in missing.items() if k not in self._routing_cache}
+        missing = {
+            s.routing_ref.hex(): s.routing_ref
+            for s in pending
+            if s.routing_ref.hex() not in self._routing_cache
+        }
         if missing:
             import ray
             from ray.exceptions import ObjectLostError
@@ -429,10 +432,7 @@ class TrainerWorker:
         if scored is None:
             return metrics
         self._report_base_bytes(metrics)
-        ordered: list[np.ndarray | None] = [None] * len(samples)
-        for j, i in enumerate(steps[0]):
-            ordered[i] = scored[j]
-        return metrics, ordered
+        return metrics, in_batch_order(len(samples), [steps[0]], [scored])
 
     def _optimizer_step(self, samples, advantages, old_logprobs, ref_logprobs, k: int, scored=None):
         """Forward/backward over one mini-batch's micro-batches, then one optimizer and scheduler step.
