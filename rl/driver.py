@@ -94,6 +94,8 @@ class Run:
     # ------------------------------------------------------------------------------------------------
 
     def train(self) -> dict:
+        from trainer.group import TrainerRankLost
+
         start = time.perf_counter()
         previous = self._install_signal_handlers()
         if notice := compile_notice(self.cfg):
@@ -115,6 +117,8 @@ class Run:
                         f"continue with --resume"
                     )
                     break
+        except TrainerRankLost as e:
+            raise StopRun(self._lost_message(e)) from e
         finally:
             self.log.close()
             for sig, handler in previous.items():  # a caller's own handlers (a notebook's, a test's) are back
@@ -305,6 +309,21 @@ class Run:
         else:
             self.skipped_in_a_row = 0
         train_metrics["train/skipped_steps"] = self.skipped_total
+
+    def _lost_message(self, lost) -> str:
+        """What to do once a trainer rank is gone: the step, the rank and node, the checkpoint to resume."""
+        ckpt = latest_checkpoint(self.dir)
+        then = (
+            f"resume from {ckpt} with `sparkrl train {self.dir} --resume`"
+            if ckpt is not None
+            else "no checkpoint was written yet: start the run again"
+        )
+        ranks = self.cfg.trainer.num_ranks
+        self.log.event(f"[red]step {self.step}: {lost}")
+        return (
+            f"step {self.step}: {lost}; the run stopped (its steps are collective over all "
+            f"{ranks} trainer ranks). Once the cluster has room for {ranks} ranks again, {then}"
+        )
 
     def _has_eval(self) -> bool:
         return bool(self.eval_prompts)

@@ -43,5 +43,12 @@ def capture(role: str) -> Path | None:
     os.close(fd)
     # A native crash (SIGSEGV, SIGABRT) prints the Python stack of every thread into the same file.
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    print(f"--- {role} (pid {os.getpid()}) ---", flush=True)
+    print(f"--- {role} (pid {os.getpid()}{_node()}) ---", flush=True)
     return path
+
+
+def _node() -> str:
+    """`, node <address>` as Ray reports it, in a Ray worker: which machine a log came from."""
+    import ray
+
+    return f", node {ray.util.get_node_ip_address()}" if ray.is_initialized() else ""

@@ -3,9 +3,12 @@ tokens and the results come back in the batch's order."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import ray
 import torch
+from ray.exceptions import RayActorError
 
 from rl import resource_wait
 from rl.batch import Sample
@@ -14,6 +17,19 @@ from trainer.minibatch import mini_batch_plan, steps_per_batch
 from trainer.rendezvous import rank0_endpoint
 from trainer.spec import TrainerSpec
 from trainer.worker import TrainerWorker
+
+# How long a failed call waits for the other ranks' calls, to tell a dead rank from its peers' errors.
+LOST_RANK_GRACE_S = 60.0
+
+
+class TrainerRankLost(RuntimeError):
+    """A trainer rank's actor is gone (its process, or the node it ran on): the group cannot go on, as
+    every step is collective over all ranks. Names the rank and its node."""
+
+    def __init__(self, rank: int, node_ip: str, node_id: str, cause: BaseException):
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        super().__init__(f"trainer rank {rank} on node {node_ip} (node id {node_id}) was lost: {first}")
+        self.rank, self.node_ip, self.node_id = rank, node_ip, node_id
 
 
 class TrainerGroup:
@@ -44,6 +60,8 @@ class TrainerGroup:
         self.num_ranks = num_ranks
         self.spec = spec
         self.batches = 0  # train_step calls so far (restored by load_checkpoint): seeds the mini-batch order
+        self.nodes: list[tuple[str, str]] = []  # rank -> (node id, node address), once the ranks are up
+        self.broken = False  # a call failed: ranks may wait in a collective, so shutdown only kills them
         # colocated with rollout engines: a fraction of the rank's GPU (the engine holds the rest)
         resources = {"num_gpus": num_gpus_per_rank, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
         options = [dict(resources) for _ in range(num_ranks)]
@@ -73,14 +91,48 @@ class TrainerGroup:
     def wait_ready(self) -> None:
         """Until every rank's constructor has returned (`wait=False` left the caller to call this). The
         constructors join the process group together; a failure in one surfaces here."""
-        resource_wait.get([w.__ray_ready__.remote() for w in self.workers])
+        self.nodes = resource_wait.get([w.node.remote() for w in self.workers])
+
+    def _get(self, refs: list[ray.ObjectRef]) -> list:
+        """`ray.get(refs)`, one result a rank, that fails as soon as one rank fails: the others may be
+        waiting for it in a collective, where they would wait until gloo's or NCCL's timeout. When a rank's
+        actor died, that is the error (TrainerRankLost); otherwise the first rank's error as it is."""
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except Exception:
+                self.broken = True
+                self._raise_if_a_rank_died([ready[0], *pending], refs)
+                raise
+        return ray.get(refs)
+
+    def _raise_if_a_rank_died(self, failed: list[ray.ObjectRef], refs: list[ray.ObjectRef]) -> None:
+        """TrainerRankLost if one of `failed` (the failed call and those still running) is a dead rank's.
+        A live rank's error often comes first and is only its collective's with the dead one (gloo:
+        "Connection reset by peer"): Ray declares a lost node dead after missed health checks. So this
+        waits up to LOST_RANK_GRACE_S for the other calls to end."""
+        deadline = time.monotonic() + LOST_RANK_GRACE_S
+        while failed:
+            ready, failed = ray.wait(failed, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return
+            try:
+                ray.get(ready[0])
+            except RayActorError as e:
+                rank = refs.index(ready[0])
+                node_id, ip = self.nodes[rank] if rank < len(self.nodes) else ("?", "?")
+                raise TrainerRankLost(rank, ip, node_id, e) from e
+            except Exception:  # noqa: BLE001 - a live rank's own error: the caller raises the first one
+                pass
 
     def _split(self, samples: list[Sample]) -> list[list[int]]:
         return split_by_tokens([s.num_tokens for s in samples], self.num_ranks)
 
     def log_probs(self, samples: list[Sample]) -> tuple[list[np.ndarray], dict[str, float]]:
         parts = self._split(samples)
-        results = ray.get(
+        results = self._get(
             [w.log_probs.remote([samples[i] for i in p], p) for w, p in zip(self.workers, parts)]
         )
         return in_batch_order(len(samples), parts, [values for values, _ in results]), results[0][1]
@@ -135,14 +187,14 @@ class TrainerGroup:
                 )
             )
             helds.append(held)
-        results = ray.get(refs)
+        results = self._get(refs)
         self.batches += 1
         if not return_logprobs:
             return results[0]
         return results[0][0], in_batch_order(len(samples), helds, [values for _, values in results])
 
     def _on_all(self, method: str, *args):
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        return self._get([getattr(w, method).remote(*args) for w in self.workers])
 
     def export_adapter(self, dtype: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         return self._on_all("export_adapter", dtype)[0]
@@ -152,7 +204,7 @@ class TrainerGroup:
         rollout workers read them from there, so the driver neither receives nor re-sends them (twice the
         adapter's bytes through pickling per sync otherwise)."""
         pairs = [w.export_adapter_pair.options(num_returns=2).remote(dtype) for w in self.workers]
-        configs = ray.get([config for _, config in pairs])  # every rank done: the gathers are collective
+        configs = self._get([config for _, config in pairs])  # every rank done: the gathers are collective
         return pairs[0][0], configs[0]
 
     def export_merged(self) -> dict[str, torch.Tensor]:
@@ -164,7 +216,7 @@ class TrainerGroup:
         refs = [w.export_merged.remote() for w in self.workers]
         # The other ranks' None: every rank is done (the gathers are collective). An error of rank 0's
         # surfaces where the rollout workers resolve the reference.
-        ray.get(refs[1:])
+        self._get(refs[1:])
         return refs[0]
 
     def gradients(self) -> dict[str, torch.Tensor]:
@@ -181,11 +233,13 @@ class TrainerGroup:
         return self.batches
 
     def shutdown(self) -> None:
-        """Idempotent."""
+        """Idempotent. After a failed call only kills the ranks: a live one may be waiting in a collective
+        for a dead one."""
         if not self.workers:
             return
         try:
-            self._on_all("shutdown")
+            if not self.broken:
+                self._on_all("shutdown")
         finally:
             for w in self.workers:
                 ray.kill(w)

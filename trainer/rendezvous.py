@@ -17,9 +17,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def node_address() -> tuple[str, str]:
+    """(node id, the address Ray reports for this node), from where it runs."""
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+
 def node_endpoint() -> tuple[str, str, int]:
     """(node id, the address Ray reports for this node, a port free on it), from where it runs."""
-    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), free_port()
+    return *node_address(), free_port()
 
 
 def rank0_endpoint(rank0_options: dict) -> tuple[str, str, int]:

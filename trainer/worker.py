@@ -41,6 +41,7 @@ from trainer.nvfp4 import is_nvfp4_checkpoint
 from trainer.nvfp4_tensor import gather_frozen
 from trainer.optim import make_optimizer
 from trainer.parallelize import parallelize
+from trainer.rendezvous import node_address
 from trainer.routing_replay import RoutingReplay, moe_routers
 from trainer.spec import TrainerSpec
 
@@ -644,6 +645,10 @@ class TrainerWorker:
         if state["world_size"] == self.world_size and rng.exists():
             _set_rng_state(torch.load(rng, weights_only=True))
         return self.step
+
+    def node(self) -> tuple[str, str]:
+        """(node id, node address) of this rank, as Ray reports them: what a lost rank's message names."""
+        return node_address()
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -1,5 +1,5 @@
 """Shared by the GRPO run tests (test_train_e2e.py, test_train_runs.py): a small demo config, a local Ray
-instance a module, and a Ray cluster of two CPU nodes a module."""
+instance a module, and a Ray cluster of one-CPU nodes a module that tests can take nodes from."""
 
 from __future__ import annotations
 
@@ -17,26 +17,37 @@ SMALL = [
 ]
 
 
-# The nodes of `two_node_cluster`: addresses of their own (all of 127/8 reaches this machine), as two machines.
-NODE_CPUS = {"127.0.0.2": 1, "127.0.0.3": 2}
+# `node_cluster`'s nodes: one CPU each, at addresses of their own (all of 127/8 reaches this machine), as
+# separate machines; the spares join when a test adds a node.
+NODE_IPS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+SPARE_IPS = ("127.0.0.5", "127.0.0.6", "127.0.0.7")
+
+
+class NodeCluster:
+    """A Ray cluster of one-CPU nodes on this machine (ray.cluster_utils.Cluster) that a test can take nodes
+    from and add nodes to. One CPU a node: each worker of a run (a trainer rank, a rollout engine) has a
+    node of its own, so a lost node loses exactly that worker."""
+
+    def __init__(self, cluster, node_args: dict):
+        self.cluster, self.node_args, self.nodes = cluster, node_args, {}
+        self.spares = list(SPARE_IPS)
+
+    def add(self, ip: str | None = None) -> str:
+        ip = ip or self.spares.pop(0)
+        self.nodes[ip] = self.cluster.add_node(**self.node_args, num_cpus=1, node_ip_address=ip)
+        self.cluster.wait_for_nodes()
+        return ip
+
+    def kill(self, ip: str) -> None:
+        """The node's raylet and every Ray process on it, SIGKILLed: as a machine that drops out."""
+        self.cluster.remove_node(self.nodes.pop(ip), allow_graceful=False)
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray instance for the module, on this machine alone."""
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False)  # never another cluster on the machine
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def two_node_cluster():
-    """A Ray cluster on this machine for the module: the driver's head node with no CPUs, and two nodes of
-    1 and 2 CPUs at their own loopback addresses (NODE_CPUS). A run's three actors (two trainer ranks,
-    one rollout engine) cannot fit on one node, so every run here spans two, as it would two machines.
-    -> the node addresses."""
+def node_cluster():
+    """A Ray cluster on this machine for the module: the driver's head node with no CPUs, and one-CPU nodes
+    at NODE_IPS (NodeCluster). A run's three actors (two trainer ranks, one rollout engine) take one node
+    each, so every run spans three, as it would three machines."""
     import shutil
     import tempfile
 
@@ -47,13 +58,15 @@ def two_node_cluster():
     env = pytest.MonkeyPatch()
     env.setenv("RAY_TMPDIR", tmp)  # `ray.init("auto")` elsewhere never finds this cluster
     common = {"include_dashboard": False, "dashboard_agent_listen_port": None, "temp_dir": f"{tmp}/ray"}
-    c = Cluster(initialize_head=True, head_node_args={**common, "num_cpus": 0})
+    # A killed node is declared dead after 3 missed health checks of 0.5 s (Ray's default: 5 of 3 s).
+    health = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+    c = Cluster(initialize_head=True, head_node_args={**common, "num_cpus": 0, "_system_config": health})
     try:
-        for ip, cpus in NODE_CPUS.items():
-            c.add_node(**common, num_cpus=cpus, node_ip_address=ip)
-        c.wait_for_nodes()
+        nodes = NodeCluster(c, common)
+        for ip in NODE_IPS:
+            nodes.add(ip)
         c.connect()
-        yield set(NODE_CPUS)
+        yield nodes
     finally:
         ray.shutdown()
         c.shutdown()

@@ -28,9 +28,10 @@ from rl.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
-# Logical CPU slots, not cores: the CPU demo's actors take one each (2 trainer ranks + 1 rollout engine)
-# and mostly wait on each other; with 2 slots its second trainer rank would never be scheduled.
-CLUSTER_CPUS = 4
+# Logical CPU slots, not cores: the CPU demo's three actors (2 trainer ranks + 1 rollout engine) take one
+# each and mostly wait on each other. The head has 1 and the worker node 2, so a run spans both nodes.
+HEAD_CPUS, WORKER_CPUS = 1, 2
+WORKER_IP = "127.0.0.2"  # the worker node's own address (all of 127/8 reaches this machine)
 
 
 def _free_port() -> int:
@@ -43,57 +44,77 @@ def _env_without_ray_address() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
 
 
+def _node_ports() -> list[str]:
+    """Every port a node opens, free ones: another Ray on this machine holds the defaults it started with,
+    and the two nodes here share the machine."""
+    names = [
+        "node-manager-port",
+        "object-manager-port",
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "runtime-env-agent-port",
+        "metrics-export-port",
+    ]
+    return [f"--{name}={_free_port()}" for name in names]
+
+
+def _active_nodes(gcs: str, env: dict) -> int:
+    out = subprocess.run([RAY, "status", f"--address={gcs}"], capture_output=True, text=True, env=env).stdout
+    active = out.split("Active:", 1)[1].split("Pending:", 1)[0] if "Active:" in out else ""
+    return sum(line.strip().startswith("1 node_") for line in active.splitlines())
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """The dashboard address of a fresh single-node cluster, with token authentication on.
+    """The dashboard address of a fresh cluster of two nodes, started as launch/README.md shows: the head
+    with `launch/head.sh` on 127.0.0.1, a worker node with `launch/worker.sh` on 127.0.0.2 (each
+    `BLOCK=1`, in a session of its own, with free ports and a private temp dir).
 
-    Ray makes --node-ip-address=127.0.0.1 the machine's routable address and its GCS listens on every
-    interface, so the cluster requires a token (the user's ~/.ray/auth_token, created as `ray.init` would
-    if missing); the dashboard binds 127.0.0.1. The client side is what `sparkrl submit` does by itself:
-    rl.submit.make_client turns token auth on when the server asks for it, as for a user who left
-    RAY_AUTH_MODE unset (tests/conftest.py sets it; it is unset here and put back after, with Ray's cached
-    auth state, so that no later test inherits token mode)."""
+    Token authentication is on (head.sh's default; the user's ~/.ray/auth_token, created as `ray.init`
+    would if missing): Ray's GCS listens on every interface. The client side is what `sparkrl submit` does
+    by itself: rl.submit.make_client turns token auth on when the server asks for it, as for a user who
+    left RAY_AUTH_MODE unset (tests/conftest.py sets it; it is unset here and put back after, with Ray's
+    cached auth state, so that no later test inherits token mode)."""
     auth_env = pytest.MonkeyPatch()
     auth_env.delenv("RAY_AUTH_MODE", raising=False)
     if not any(k in os.environ for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
         if not (Path.home() / ".ray" / "auth_token").exists():
             subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True)
-    dash = _free_port()
     temp = tempfile.mkdtemp(prefix="srl_ray_", dir="/tmp")  # short: Ray's socket paths have a length limit
-    log = open(Path(temp) / "ray_start.log", "w")
-    cmd = [
-        RAY,
-        "start",
-        "--head",
-        "--block",
-        f"--port={_free_port()}",
-        f"--dashboard-port={dash}",
-        f"--num-cpus={CLUSTER_CPUS}",
-        "--node-ip-address=127.0.0.1",
-        "--dashboard-host=127.0.0.1",
-        f"--temp-dir={temp}",
-        f"--ray-client-server-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}",
-        # Every port named: another Ray on this machine holds the defaults it was started with.
-        f"--dashboard-agent-grpc-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
-        "--disable-usage-stats",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**_env_without_ray_address(), "RAY_AUTH_MODE": "token"},
-    )
+    gcs_port, dash = _free_port(), _free_port()
+    env = {
+        **_env_without_ray_address(),
+        "RAY_AUTH_MODE": "token",
+        "BLOCK": "1",
+        "SPARKRL_VENV": str(Path(sys.executable).parents[1]),
+    }
+    head_env = {**env, "RAY_PORT": str(gcs_port), "DASHBOARD_PORT": str(dash), "NODE_IP": "127.0.0.1"}
+    head_cmd = ["launch/head.sh", f"--num-cpus={HEAD_CPUS}", f"--temp-dir={temp}/head"]
+    head_cmd += [f"--ray-client-server-port={_free_port()}", *_node_ports()]
+    worker_cmd = ["launch/worker.sh", f"127.0.0.1:{gcs_port}", f"--num-cpus={WORKER_CPUS}"]
+    worker_cmd += [f"--temp-dir={temp}/worker", *_node_ports()]
+    procs: list[subprocess.Popen] = []
+    logs = []
+
+    def start(cmd, env, name):
+        logs.append(open(Path(temp) / f"{name}.log", "w"))
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
+        )
+
+    def check_alive():
+        for proc, name in zip(procs, ("head", "worker")):
+            if proc.poll() is not None:
+                pytest.fail(f"{name} exited ({proc.returncode}):\n{(Path(temp) / f'{name}.log').read_text()}")
+
     address = f"http://127.0.0.1:{dash}"
     try:
+        start(head_cmd, head_env, "head")
         deadline = time.monotonic() + 180
         while True:
-            if proc.poll() is not None:
-                log_text = (Path(temp) / "ray_start.log").read_text()
-                pytest.fail(f"ray start exited ({proc.returncode}):\n{log_text}")
+            check_alive()
             try:
                 submit.make_client(address)
                 break
@@ -101,21 +122,29 @@ def ray_cluster():
                 if time.monotonic() > deadline:
                     pytest.fail(f"the Ray job server did not come up within 180 s: {e}")
             time.sleep(1)
+        start(worker_cmd, {**env, "NODE_IP": WORKER_IP}, "worker")
+        while _active_nodes(f"127.0.0.1:{gcs_port}", env) < 2:
+            check_alive()
+            if time.monotonic() > deadline:
+                pytest.fail("the worker node did not join within 180 s")
+            time.sleep(1)
         yield address
     finally:
         # SIGTERM lets `ray start --block` shut its node down; then make sure of its process group.
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    pass
             try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        log.close()
+            proc.wait()
+        for log in logs:
+            log.close()
         shutil.rmtree(temp, ignore_errors=True)
         auth_env.undo()
         _reset_ray_auth_state()
@@ -286,7 +315,8 @@ def test_submit_command_no_wait_then_wait(ray_cluster, tmp_path, monkeypatch, ca
 
 @pytest.mark.slow
 def test_submit_demo_one_step(ray_cluster, tmp_path):
-    """CI: `sparkrl submit recipes/demo_cpu.yaml` with one step on a local cluster; needs `sparkrl train`."""
+    """`sparkrl submit recipes/demo_cpu.yaml` with one step to the two-node cluster, followed to SUCCEEDED;
+    the workers' logs (one a worker, each naming its node) show that the run spanned both nodes."""
     cmd = [
         sys.executable,
         "-m",
@@ -311,6 +341,10 @@ def test_submit_demo_one_step(ray_cluster, tmp_path):
     lines = (tmp_path / "demo_cpu" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == [1]
+    heads = [p.read_text().splitlines()[0] for p in (tmp_path / "demo_cpu" / "logs").glob("*.log")]
+    nodes = {h.rsplit("node ", 1)[1].rstrip(" -)") for h in heads if "node " in h}
+    # the head reports the machine's routable address (Ray's choice for 127.0.0.1), the worker its own
+    assert len(nodes) == 2 and WORKER_IP in nodes, heads
 
 
 def test_sweep_through_submit_collects_final_metrics(ray_cluster, tmp_path, monkeypatch, capsys):
