@@ -64,3 +64,9 @@ class Sample:
         and the routing when held by value (a `routing_ref` is a few dozen bytes)."""
         n = 4 * self.num_tokens + self.response_logprobs.nbytes
         return n + (self.routed_experts.nbytes if self.routed_experts is not None else 0)
+
+
+class RoutingLost(ValueError):
+    """A sample's routing held by reference (`Sample.routing_ref`) is gone: the rollout worker that put it
+    in its node's object store, or that node, was lost before a trainer rank fetched it. The batch can be
+    generated again: its sampling seeds are the step's."""

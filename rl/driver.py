@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from rl import algo
-from rl.batch import Sample
+from rl.batch import RoutingLost, Sample
 from rl.checkpoint import latest_checkpoint, load_driver_state, save_checkpoint
 from rl.config import MAX_DRAWS, SparkConfig, run_dir, save_config
 from rl.data.loader import Prompt, PromptLoader
@@ -130,35 +130,32 @@ class Run:
         return summary
 
     def train_step(self, step: int) -> dict:
-        cfg, t0 = self.cfg, time.perf_counter()
+        t0 = time.perf_counter()
         metrics: dict[str, float] = {}
 
-        # 1-3. Rollout, reward, dynamic sampling.
-        samples, gen_s, received_bytes = self.collect_batch(step, metrics)
-        if self.colocated:  # hand the GPUs to the trainer: weights to host memory, KV cache dropped
-            self.rollout.sleep()
-        t_rollout = time.perf_counter()
-
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        groups = torch.tensor([s.group for s in samples])
-        advantages = algo.compute_advantages(rewards, groups, estimator=self.adv_estimator).tolist()
-        # A single on-policy update scores the batch in its own forward, before its optimizer step: the
-        # log-probs of adapter v that step 4 would compute, without a pass of their own. A run that stops on
-        # a KL violation keeps the separate pass, so that it stops before the update.
-        trainer_calls = 1
-        if not cfg.monitor.stop_on_violation and self.trainer.can_score_in_update(samples):
-            t_train = t_rollout
-            train_metrics, logp = self.trainer.train_step(samples, advantages, return_logprobs=True)
-            self._check_kl(step, metrics, logp, samples)
-        else:
-            trainer_calls = 2
-            # 4. Trainer log-probs with adapter v and the rollout's routing: the on-policy check.
-            logp, logp_metrics = self.trainer.log_probs(samples)
-            metrics.update(logp_metrics)
-            self._check_kl(step, metrics, logp, samples)
-            # 5. GRPO update.
-            t_train = time.perf_counter()
-            train_metrics = self.trainer.train_step(samples, advantages, logp)
+        # 1-5. Rollout, reward, dynamic sampling; log-probs and update. A batch whose routing was lost with
+        # its rollout worker's node before the trainer ranks fetched it (RoutingLost: no optimizer step has
+        # run) is generated again, once: the pool recreates the worker, and the step's seeds and the loader
+        # rewound to the step's start give the same batch.
+        before = self.loader.state_dict(), self.monitor.state_dict()
+        for attempt in (1, 2):
+            samples, gen_s, received_bytes = self.collect_batch(step, metrics)
+            if self.colocated:  # hand the GPUs to the trainer: weights to host memory, KV cache dropped
+                self.rollout.sleep()
+            t_rollout = time.perf_counter()
+            try:
+                train_metrics, logp, trainer_calls, t_train = self._score_and_update(
+                    step, samples, metrics, t_rollout
+                )
+                break
+            except RoutingLost as e:
+                if attempt == 2:
+                    raise
+                self.log.event(f"[yellow]step {step}: {e}; generating the batch again")
+                self.loader.load_state_dict(before[0])
+                self.monitor.load_state_dict(before[1])
+                if self.colocated:
+                    self.rollout.wake_up()
         self._count_skips(step, train_metrics)
         metrics.update(train_metrics)
         # The batch's bytes through this process: the samples in from the rollout (every draw), out to
@@ -195,6 +192,28 @@ class Run:
             }
         )
         return metrics
+
+    def _score_and_update(self, step: int, samples: list[Sample], metrics: dict, t_rollout: float):
+        """Steps 4-5 on the batch: the trainer's log-probs at adapter v (the on-policy check) and the GRPO
+        update. -> (update metrics, log-probs, trainer calls, when the update began: t_rollout when the
+        update's own forward gave the log-probs)."""
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        groups = torch.tensor([s.group for s in samples])
+        advantages = algo.compute_advantages(rewards, groups, estimator=self.adv_estimator).tolist()
+        # A single on-policy update scores the batch in its own forward, before its optimizer step: the
+        # log-probs of adapter v that step 4 would compute, without a pass of their own. A run that stops on
+        # a KL violation keeps the separate pass, so that it stops before the update.
+        if not self.cfg.monitor.stop_on_violation and self.trainer.can_score_in_update(samples):
+            train_metrics, logp = self.trainer.train_step(samples, advantages, return_logprobs=True)
+            self._check_kl(step, metrics, logp, samples)
+            return train_metrics, logp, 1, t_rollout
+        # 4. Trainer log-probs with adapter v and the rollout's routing: the on-policy check.
+        logp, logp_metrics = self.trainer.log_probs(samples)
+        metrics.update(logp_metrics)
+        self._check_kl(step, metrics, logp, samples)
+        # 5. GRPO update.
+        t_train = time.perf_counter()
+        return self.trainer.train_step(samples, advantages, logp), logp, 2, t_train
 
     def _check_kl(self, step: int, metrics: dict, logp: list[np.ndarray], samples: list[Sample]) -> None:
         """The on-policy check: trainer vs rollout log-probs into metrics, against the KL budget."""

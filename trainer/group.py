@@ -61,7 +61,7 @@ class TrainerGroup:
         self.spec = spec
         self.batches = 0  # train_step calls so far (restored by load_checkpoint): seeds the mini-batch order
         self.nodes: list[tuple[str, str]] = []  # rank -> (node id, node address), once the ranks are up
-        self.broken = False  # a call failed: ranks may wait in a collective, so shutdown only kills them
+        self.broken = False  # a rank is lost or stuck: ranks may wait in a collective, so shutdown only kills
         # colocated with rollout engines: a fraction of the rank's GPU (the engine holds the rest)
         resources = {"num_gpus": num_gpus_per_rank, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
         options = [dict(resources) for _ in range(num_ranks)]
@@ -93,35 +93,40 @@ class TrainerGroup:
         constructors join the process group together; a failure in one surfaces here."""
         self.nodes = resource_wait.get([w.node.remote() for w in self.workers])
 
-    def _get(self, refs: list[ray.ObjectRef]) -> list:
-        """`ray.get(refs)`, one result a rank, that fails as soon as one rank fails: the others may be
-        waiting for it in a collective, where they would wait until gloo's or NCCL's timeout. When a rank's
-        actor died, that is the error (TrainerRankLost); otherwise the first rank's error as it is."""
+    def _get(self, refs: list[ray.ObjectRef], ranks: list[int] | None = None) -> list:
+        """`ray.get(refs)`, one result a rank (refs[i] of rank ranks[i]; by default rank i), that fails as
+        soon as one rank fails: the others may be waiting for it in a collective, where they would wait
+        until gloo's or NCCL's timeout. When a rank's actor died, that is the error (TrainerRankLost);
+        otherwise the first rank's error as it is."""
+        ranks = list(range(len(refs))) if ranks is None else ranks
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(ready[0])
             except Exception:
-                self.broken = True
-                self._raise_if_a_rank_died([ready[0], *pending], refs)
+                self._raise_if_a_rank_died([ready[0], *pending], dict(zip(refs, ranks)))
                 raise
         return ray.get(refs)
 
-    def _raise_if_a_rank_died(self, failed: list[ray.ObjectRef], refs: list[ray.ObjectRef]) -> None:
+    def _raise_if_a_rank_died(self, failed: list[ray.ObjectRef], rank_of: dict) -> None:
         """TrainerRankLost if one of `failed` (the failed call and those still running) is a dead rank's.
         A live rank's error often comes first and is only its collective's with the dead one (gloo:
         "Connection reset by peer"): Ray declares a lost node dead after missed health checks. So this
-        waits up to LOST_RANK_GRACE_S for the other calls to end."""
+        waits up to LOST_RANK_GRACE_S for the other calls to end. Calls still running after that leave the
+        group broken (`shutdown` kills it); when every call ended (all ranks raised one error together, as
+        TrainerWorker._agree does), the group can go on."""
         deadline = time.monotonic() + LOST_RANK_GRACE_S
         while failed:
             ready, failed = ray.wait(failed, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
+                self.broken = True
                 return
             try:
                 ray.get(ready[0])
             except RayActorError as e:
-                rank = refs.index(ready[0])
+                self.broken = True
+                rank = rank_of[ready[0]]
                 node_id, ip = self.nodes[rank] if rank < len(self.nodes) else ("?", "?")
                 raise TrainerRankLost(rank, ip, node_id, e) from e
             except Exception:  # noqa: BLE001 - a live rank's own error: the caller raises the first one
@@ -216,7 +221,7 @@ class TrainerGroup:
         refs = [w.export_merged.remote() for w in self.workers]
         # The other ranks' None: every rank is done (the gathers are collective). An error of rank 0's
         # surfaces where the rollout workers resolve the reference.
-        self._get(refs[1:])
+        self._get(refs[1:], ranks=list(range(1, len(refs))))
         return refs[0]
 
     def gradients(self) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from rl import algo
 from rl.adapter_files import read_peft_dir
-from rl.batch import Sample
+from rl.batch import RoutingLost, Sample
 from rl.compat import hf_checkpoint_state_dict
 from rl.worker_logs import capture
 from trainer import checkpoint_io, logprobs, lora, sharded_load
@@ -133,15 +133,17 @@ class TrainerWorker:
     def _agree(self, check) -> None:
         """Runs check() (raises on bad input) on every rank; if any rank's check failed, every rank raises
         that rank's error (a rank that went on alone would wait forever in the next collective)."""
-        message = None
+        error = None
         try:
             check()
         except (ValueError, TypeError) as e:
-            message = str(e)
-        if self._all_reduce([message is not None], dist.ReduceOp.MAX)[0]:
-            messages = [None] * self.world_size
-            dist.all_gather_object(messages, message)
-            raise ValueError(next(m for m in messages if m is not None))
+            # RoutingLost stays itself: it tells the driver to generate the batch again
+            error = (RoutingLost if isinstance(e, RoutingLost) else ValueError)(str(e))
+        if self._all_reduce([error is not None], dist.ReduceOp.MAX)[0]:
+            self._routing_cache.clear()  # a batch that fails its check is over
+            errors = [None] * self.world_size
+            dist.all_gather_object(errors, error)
+            raise next(e for e in errors if e is not None)
 
     def _fetch_routing(self, samples: list[Sample], ids: list[int]) -> None:
         """Fill routed_experts of the samples that carry a routing_ref, fetched from the rollout workers'
@@ -161,7 +163,7 @@ class TrainerWorker:
                 arrays = ray.get(list(missing.values()))
             except ObjectLostError as e:  # its owner, the rollout worker, or that worker's node is gone
                 lost = [i for i, s in zip(ids, samples) if s.routing_ref is not None]
-                raise ValueError(
+                raise RoutingLost(
                     f"the routing of samples {lost[:8]}{'...' if len(lost) > 8 else ''} was lost with the "
                     f"rollout worker that held it ({type(e).__name__}: {e})"
                 ) from e

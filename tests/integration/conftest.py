@@ -17,6 +17,16 @@ SMALL = [
 ]
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray instance for the module, on this machine alone."""
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False)  # never another cluster on the machine
+    yield
+    ray.shutdown()
+
+
 # `node_cluster`'s nodes: one CPU each, at addresses of their own (all of 127/8 reaches this machine), as
 # separate machines; the spares join when a test adds a node.
 NODE_IPS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")

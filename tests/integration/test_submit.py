@@ -315,7 +315,7 @@ def test_submit_command_no_wait_then_wait(ray_cluster, tmp_path, monkeypatch, ca
 
 @pytest.mark.slow
 def test_submit_demo_one_step(ray_cluster, tmp_path):
-    """`sparkrl submit recipes/demo_cpu.yaml` with one step to the two-node cluster, followed to SUCCEEDED;
+    """`sparkrl submit recipes/demo_cpu.yaml` with one small step to the two-node cluster, followed to SUCCEEDED;
     the workers' logs (one a worker, each naming its node) show that the run spanned both nodes."""
     cmd = [
         sys.executable,
@@ -324,6 +324,8 @@ def test_submit_demo_one_step(ray_cluster, tmp_path):
         "submit",
         "recipes/demo_cpu.yaml",
         "trainer.total_steps=1",
+        "data.train_batch_size=4",  # one step of 4 prompts x 4 samples: the job's path, not the learning
+        "rollout.n=4",
         "eval.every=0",
         "eval.at_start=false",
         "trainer.checkpoint_every=0",

@@ -2,7 +2,7 @@
 of one-CPU nodes (conftest's node_cluster: each worker on a node of its own, as on separate machines).
 
 Three steps of the tiny SFT'd Qwen3-MoE (merged sync, R3 on: the routing by reference, never through the
-driver) that lose the rollout engine's node after step 1 and carry on; the same run again, which loses a
+driver) that lose the rollout engine's node with step 2's batch on it and carry on; the same run again, which loses a
 trainer rank's node in step 3, stops naming it, and resumes from the step-2 checkpoint to the same steps.
 The dense model's run and SIGTERM are in test_train_runs.py (two files, so that `make test` runs them side
 by side).
@@ -65,10 +65,13 @@ def _node_ips(actors) -> list[str]:
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory, node_cluster, tiny_moe_sft_path, small_demo_config):
-    """Three steps that lose the rollout engine's node after step 1: a spare node joins, the engine's node is
-    killed, and the pool recreates the engine on the spare and replays the weights. -> (config, summary,
-    run directory, restarts, the samples' routing as the driver received it (by value / by reference
-    counts), the nodes of the engine and the two ranks at the start, the engine's node after the loss)."""
+    """Three steps that lose the rollout engine's node in step 2, after it generated the batch and before
+    the trainer ranks fetched the batch's routing from that node's object store: a spare node joins, the
+    engine's node is killed, the ranks find the routing lost (RoutingLost), the driver generates the batch
+    again, and the pool recreates the engine on the spare and replays the weights. -> (config, summary,
+    run directory, restarts, trainer log-prob calls, the samples' routing as the driver received it (by
+    value / by reference counts), the nodes of the engine and the two ranks at the start, the engine's node
+    after the loss)."""
     from rl.driver import Run
 
     tmp = tmp_path_factory.mktemp("e2e")
@@ -76,16 +79,16 @@ def killed_run(tmp_path_factory, node_cluster, tiny_moe_sft_path, small_demo_con
     run = Run(cfg)
     try:
         nodes = _node_ips(run.rollout.workers + run.trainer.workers)
-        original = run.train_step
+        log_probs, calls = run.trainer.log_probs, []
 
-        def step_then_lose_the_rollout_node(step):
-            metrics = original(step)
-            if step == 1:
+        def lose_the_rollout_node_in_step_2(samples):
+            calls.append(1)
+            if len(calls) == 2:
                 node_cluster.add()
                 node_cluster.kill(nodes[0])
-            return metrics
+            return log_probs(samples)
 
-        run.train_step = step_then_lose_the_rollout_node
+        run.trainer.log_probs = lose_the_rollout_node_in_step_2
         generate, routing = run.rollout.generate, {"value": 0, "ref": 0}
 
         def generate_and_count(requests, sampling):
@@ -100,14 +103,15 @@ def killed_run(tmp_path_factory, node_cluster, tiny_moe_sft_path, small_demo_con
         engine_after = _node_ips(run.rollout.workers)[0]
     finally:
         run.close()
-    return cfg, summary, tmp / "killed", restarts, routing, nodes, engine_after
+    return cfg, summary, tmp / "killed", restarts, len(calls), routing, nodes, engine_after
 
 
 def test_three_steps_report_every_metric_through_a_lost_rollout_node(killed_run):
-    _, summary, run_dir, restarts, routing, nodes, engine_after = killed_run
+    _, summary, run_dir, restarts, log_prob_calls, routing, nodes, engine_after = killed_run
     # the engine and the two trainer ranks each on a node of their own; the engine again on the spare
     assert len(set(nodes)) == 3 and restarts == 1
     assert engine_after not in nodes
+    assert log_prob_calls == 4  # step 2's batch scored twice: lost with its node, then generated again
     # R3's routing went from the rollout worker to the trainer ranks by reference, never to the driver
     assert routing["value"] == 0 and routing["ref"] >= 3 * 4 * 4
     records = read_metrics(run_dir)
@@ -136,7 +140,7 @@ def test_same_seed_same_run_through_a_lost_trainer_node(
     and the step-2 checkpoint (rank 0, left waiting in a collective, does not hold it up). A node joins and
     `--resume` runs step 3. Every step equals the first run's: sampled tokens and rewards bitwise, losses
     within 1e-6, the evaluation's responses and scores bitwise. So the seeds are the run's alone, and
-    neither a recreated rollout worker nor a resume changes a step."""
+    neither a recreated rollout worker, a batch generated again nor a resume changes a step."""
     from rl.driver import Run, train
     from rl.monitor import StopRun
 

