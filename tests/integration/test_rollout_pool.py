@@ -155,7 +155,19 @@ def test_engine_killed_mid_batch_is_recreated_and_the_batch_reproduced(tmp_path)
         max_lora_rank=8,
         seed=0,
     )
-    pool = RolloutPool(spec, 1, str(tmp_path / "stage"))
+    from rollout.worker import RolloutWorker
+
+    calls = tmp_path / "generate-calls"
+
+    class CountedRolloutWorker(RolloutWorker):
+        """The real worker, leaving a line in `calls` as each generate starts: the test kills it then."""
+
+        def generate(self, *args, **kwargs):
+            with open(calls, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            return super().generate(*args, **kwargs)
+
+    pool = RolloutPool(spec, 1, str(tmp_path / "stage"), worker_cls=CountedRolloutWorker)
     # A CPU engine of one rank runs in its actor's process (rollout.worker.in_process): no engine core
     # processes of its own, so a killed actor takes its engine with it.
     pings = ray.get([w.ping.remote() for w in pool.workers])
@@ -165,17 +177,27 @@ def test_engine_killed_mid_batch_is_recreated_and_the_batch_reproduced(tmp_path)
     reqs = [PromptRequest(prompt_ids=[5 + g, 40, 41 + g, 7], group=g) for g in range(8)]
     sampling = SamplingSpec(n=4, temperature=1.0, max_tokens=96, seed=1)
     pool.generate(reqs[:2], sampling)  # the first batch of an engine includes its warm-up
-    start = time.perf_counter()
     reference = pool.generate(reqs, sampling)
-    took = time.perf_counter() - start
+    assert len(calls.read_text().splitlines()) == 2
 
-    # Same batch again; kill the worker about a third of the way in.
+    # Same batch again; kill the worker once its third generate has started (a file line, not a timer: a
+    # loaded machine makes any delay come before the call or after it).
     victim = pool.workers[0]
-    killer = threading.Timer(max(took / 3, 0.2), lambda: ray.kill(victim, no_restart=True))
+
+    def kill_once_generating():
+        deadline = time.monotonic() + 600
+        while len(calls.read_text().splitlines()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ray.kill(victim, no_restart=True)
+
+    killer = threading.Thread(target=kill_once_generating, daemon=True)
     killer.start()
     samples = pool.generate(reqs, sampling)
     killer.join()
-    assert pool.restarts == 1, f"the kill came after the batch ({took:.1f} s); no recovery was exercised"
+    assert pool.restarts == 1, "the kill came after the batch; no recovery was exercised"
+    # the recreated worker ran the batch again: a fourth generate, in another process
+    pids = calls.read_text().split()
+    assert len(pids) == 4 and pids[3] != pids[2], pids
     assert [s.group for s in samples] == [g for g in range(8) for _ in range(4)]
     assert all(s.adapter_version == 2 and len(s.response_ids) > 0 for s in samples)
     # Seeded sampling with the same adapter: the recreated worker reproduces the first run exactly,

@@ -57,7 +57,7 @@ DRIVER_READS = {
     "monitor.k3_kl_max": "rl.driver.Run.__init__",
     "monitor.k3_kl_trend_max": "rl.driver.Run.__init__",
     "monitor.trend_window": "rl.driver.Run.__init__",
-    "monitor.stop_on_violation": "rl.driver.Run.train_step",
+    "monitor.stop_on_violation": "rl.driver.Run._score_and_update",
     "logging.console_every": "rl.driver.Run.__init__",
     "logging.tensorboard": "rl.driver.Run.__init__",
     "logging.wandb_project": "rl.driver.Run.__init__",
