@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -36,14 +35,9 @@ from rl.placement import create_placement  # noqa: E402
 from rollout.pool import RolloutPool  # noqa: E402
 from rollout.spec import EngineSpec  # noqa: E402
 from rollout.worker import engine_env  # noqa: E402
+from trainer.rendezvous import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +59,7 @@ def cluster():
         "dashboard_agent_listen_port": None,  # Ray's default is a fixed port; None: a random one
         "temp_dir": os.path.join(tmp, "ray"),
     }
-    c = Cluster(initialize_head=True, head_node_args={**node, "gcs_server_port": _free_port()})
+    c = Cluster(initialize_head=True, head_node_args={**node, "gcs_server_port": free_port()})
     try:
         c.add_node(**node)
         c.wait_for_nodes()

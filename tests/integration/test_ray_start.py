@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,14 +25,9 @@ from rl.config import load_config
 from rl.preflight import PreflightError
 from rl.resource_wait import ResourceWaitTimeout
 from rl.setup import init_ray, waiting_for_resources
+from trainer.rendezvous import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _port(address: str) -> str:
@@ -51,7 +45,7 @@ def other_cluster():
     in an earlier test writes, and this process's Ray would not send the token (its mode is fixed at its
     first init)."""
     tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths live under it
-    port = _free_port()
+    port = free_port()
     cmd = [
         RAY,
         "start",
@@ -61,8 +55,8 @@ def other_cluster():
         "--num-cpus=2",
         "--node-ip-address=127.0.0.1",
         "--include-dashboard=false",
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--ray-client-server-port={_free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",
         "--disable-usage-stats",
     ]
     log = open(Path(tmp) / "ray_start.log", "w")
@@ -120,7 +114,7 @@ def test_a_stale_ray_current_cluster_is_ignored(no_ray_address, monkeypatch, cap
     tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")
     try:
         (Path(tmp) / "ray").mkdir()
-        (Path(tmp) / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{_free_port()}\n")  # nobody there
+        (Path(tmp) / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}\n")  # nobody there
         monkeypatch.setenv("RAY_TMPDIR", tmp)
         assert init_ray(_cfg()) is True
         assert "started a local instance" in capsys.readouterr().out

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,13 @@ import pytest
 import requests
 import torch
 
+from trainer.rendezvous import free_port
+
 pytestmark = pytest.mark.slow
 
 TARGET = " 7 7 7 7 7 7"
 MAX_TOKENS = 10
 QUESTIONS = ["What is 2 + 3?", "What is 9 - 4?", "What is 1 + 1?", "What is 8 - 2?"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompt_ids(tokenizer, question: str) -> list[int]:
@@ -87,7 +82,7 @@ def _train_adapter(base_path, out_dir, prompts, tokenizer):
 
 @pytest.fixture
 def server_port():
-    return _free_port()
+    return free_port()
 
 
 def _serve(base_path, adapter_dir, port, log_path):

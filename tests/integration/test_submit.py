@@ -14,7 +14,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import pytest
 
 from rl import submit
 from rl.config import ConfigError
+from trainer.rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -32,12 +32,6 @@ RAY = str(Path(sys.executable).with_name("ray"))
 # each and mostly wait on each other. The head has 1 and the worker node 2, so a run spans both nodes.
 HEAD_CPUS, WORKER_CPUS = 1, 2
 WORKER_IP = "127.0.0.2"  # the worker node's own address (all of 127/8 reaches this machine)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env_without_ray_address() -> dict:
@@ -55,7 +49,7 @@ def _node_ports() -> list[str]:
         "runtime-env-agent-port",
         "metrics-export-port",
     ]
-    return [f"--{name}={_free_port()}" for name in names]
+    return [f"--{name}={free_port()}" for name in names]
 
 
 def _active_nodes(gcs: str, env: dict) -> int:
@@ -81,7 +75,7 @@ def ray_cluster():
         if not (Path.home() / ".ray" / "auth_token").exists():
             subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True)
     temp = tempfile.mkdtemp(prefix="srl_ray_", dir="/tmp")  # short: Ray's socket paths have a length limit
-    gcs_port, dash = _free_port(), _free_port()
+    gcs_port, dash = free_port(), free_port()
     env = {
         **_env_without_ray_address(),
         "RAY_AUTH_MODE": "token",
@@ -90,7 +84,7 @@ def ray_cluster():
     }
     head_env = {**env, "RAY_PORT": str(gcs_port), "DASHBOARD_PORT": str(dash), "NODE_IP": "127.0.0.1"}
     head_cmd = ["launch/head.sh", f"--num-cpus={HEAD_CPUS}", f"--temp-dir={temp}/head"]
-    head_cmd += [f"--ray-client-server-port={_free_port()}", *_node_ports()]
+    head_cmd += [f"--ray-client-server-port={free_port()}", *_node_ports()]
     worker_cmd = ["launch/worker.sh", f"127.0.0.1:{gcs_port}", f"--num-cpus={WORKER_CPUS}"]
     worker_cmd += [f"--temp-dir={temp}/worker", *_node_ports()]
     procs: list[subprocess.Popen] = []
