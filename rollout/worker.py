@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import ray
 import torch
 
 from rl.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft_dir
@@ -510,9 +509,6 @@ class RolloutWorker:
             "version": self.version,
             "sleeping": self._sleeping,
             "engine_in_process": self.in_process,
-            "node_ip": ray.util.get_node_ip_address(),
-            # where this worker's engine reads its weights from: its own node's staging directory
-            "staged": str(self.stage.dir / self._staged) if self._staged else None,
         }
 
     def shutdown(self) -> None:

@@ -1,6 +1,5 @@
 """Shared by the GRPO run tests (test_train_e2e.py, test_train_runs.py): a small demo config, a local Ray
-instance a module, a Ray cluster of one-CPU nodes a module that tests can take nodes from, and one whose
-nodes each have a /dev/shm of their own."""
+instance a module, and a Ray cluster of one-CPU nodes a module that tests can take nodes from."""
 
 from __future__ import annotations
 
@@ -80,119 +79,6 @@ def node_cluster():
         yield nodes
     finally:
         ray.shutdown()
-        c.shutdown()
-        env.undo()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _own_mount_namespace() -> list[str]:
-    """`unshare`'s arguments for a process with mounts of its own: a plain mount namespace as root, else one
-    inside a user namespace (where unprivileged user namespaces are allowed)."""
-    import os
-    import shutil
-    import subprocess
-
-    if shutil.which("unshare") is None:
-        pytest.fail("unshare (util-linux) is needed to give each test node a /dev/shm of its own")
-    ns = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
-    probe = subprocess.run([*ns, "sh", "-c", "mount -t tmpfs probe /mnt"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.fail(f"{' '.join(ns)} cannot mount a tmpfs here: {probe.stderr.strip()}")
-    return ns
-
-
-@pytest.fixture(scope="module")
-def private_shm_cluster():
-    """A Ray cluster on this machine whose nodes do not share /dev/shm, where adapter staging writes: the
-    driver's head with no CPUs (ray.cluster_utils.Cluster), and one-CPU nodes at NODE_IPS, each a
-    `ray start --block` in a mount namespace of its own with a fresh tmpfs over /dev/shm. A file one node
-    stages there is not there for the other nodes or the driver, as on separate machines. -> the nodes' IPs.
-    """
-    import os
-    import shlex
-    import shutil
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-    import time
-    from pathlib import Path
-
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from trainer.rendezvous import free_port
-
-    ns = _own_mount_namespace()
-    tmp = tempfile.mkdtemp(prefix="sprk-", dir="/tmp")  # short: Ray's socket paths live under it
-    env = pytest.MonkeyPatch()
-    env.setenv("RAY_TMPDIR", tmp)  # `ray.init("auto")` elsewhere never finds this cluster
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"include_dashboard": False, "num_cpus": 0, "temp_dir": f"{tmp}/ray"},
-    )
-    ray_cli = str(Path(sys.executable).with_name("ray"))
-    procs = []
-
-    def wait_for(alive: int, deadline: float) -> None:
-        while sum(n["Alive"] for n in ray.nodes()) < alive:
-            for i, proc in enumerate(procs):
-                if proc.poll() is not None:
-                    pytest.fail(
-                        f"node {NODE_IPS[i]} exited: {(Path(tmp) / f'node{i}.log').read_text()[-2000:]}"
-                    )
-            if time.monotonic() > deadline:
-                pytest.fail(f"{alive - 1} nodes did not join within 180 s")
-            time.sleep(0.5)
-
-    try:
-        c.connect()
-        deadline = time.monotonic() + 180
-        # One node at a time, its free ports picked just before it starts: a node starting meanwhile binds
-        # ports of its own, and could take the ones picked for the next.
-        for i, ip in enumerate(NODE_IPS):
-            # Every port a node opens, a free one: another Ray on this machine may hold the defaults.
-            ports = [
-                f"--{name}={free_port()}"
-                for name in (
-                    "node-manager-port",
-                    "object-manager-port",
-                    "dashboard-agent-listen-port",
-                    "dashboard-agent-grpc-port",
-                    "runtime-env-agent-port",
-                    "metrics-export-port",
-                )
-            ]
-            start = [
-                ray_cli,
-                "start",
-                f"--address={c.address}",
-                f"--node-ip-address={ip}",
-                "--num-cpus=1",
-                "--object-store-memory=200000000",
-                "--disable-usage-stats",
-                "--block",
-                *ports,
-            ]
-            script = f"mount -t tmpfs -o size=1g,mode=1777 node{i}-shm /dev/shm && exec {shlex.join(start)}"
-            log = open(Path(tmp) / f"node{i}.log", "w")
-            procs.append(
-                subprocess.Popen(
-                    [*ns, "sh", "-c", script], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            )
-            wait_for(2 + i, deadline)
-        yield list(NODE_IPS)
-    finally:
-        ray.shutdown()
-        for proc in procs:  # SIGTERM: `ray start --block` stops its own node's processes
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
         c.shutdown()
         env.undo()
         shutil.rmtree(tmp, ignore_errors=True)

