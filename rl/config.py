@@ -133,6 +133,13 @@ class RolloutConfig:
         "Share GPUs with the trainer (colocated) or use GPUs of their own (split).",
         ("colocated", "split"),
     )
+    max_staleness: int = _f(
+        0,
+        "Adapter versions a batch may lag the update it trains (0 = synchronous). k > 0: the next k batches "
+        "are generated while the trainer updates, batch j by adapter j-1-k; the trainer scores each with "
+        "its generating version for the on-policy check (split placement on GPUs).",
+        ge=0,
+    )
     enable_prefix_caching: bool = _f(True, "Reuse the KV cache of a shared prompt across its n samples.")
     moe_backend: str = _f(
         "auto",
@@ -912,6 +919,12 @@ def validate(cfg: SparkConfig) -> list[tuple[str, str]]:
             "rollout.num_workers",
             f"rollout.num_workers x rollout.tensor_parallel_size = {rollout_gpus} GPUs, more than "
             f"resources.num_gpus ({res.num_gpus})",
+        )
+        need(
+            ro.placement == "split" or ro.max_staleness == 0,
+            "rollout.max_staleness",
+            f"{ro.max_staleness} needs rollout.placement=split: colocated engines sleep while the trainer "
+            "updates on the same GPUs, so the next batch cannot be generated meanwhile",
         )
         need(
             ro.placement != "split" or rollout_gpus + tr.num_ranks <= res.num_gpus,

@@ -255,6 +255,7 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
         activation_memory_budget=t.activation_memory_budget,
         logits_chunk_tokens=t.logits_chunk_tokens,
         base_format=base_format(t.base_format, model_path),
+        keep_versions=cfg.rollout.max_staleness,
         seed=cfg.run.seed,
     )
 

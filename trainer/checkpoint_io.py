@@ -95,3 +95,19 @@ def write_adapter(directory: str | os.PathLike, tensors: dict[str, torch.Tensor]
     _atomic(directory / ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     atomic_write_json(config, directory / ADAPTER_CONFIG)
     return directory
+
+
+# A trainer checkpoint's older adapter versions (rollout.max_staleness > 0), beside its current adapter.
+OLDER_VERSIONS = "older_versions"
+
+
+def older_version_dir(version: int) -> Path:
+    """Where, inside a trainer checkpoint, the adapter of an older `version` goes."""
+    return Path(OLDER_VERSIONS) / f"v{version}"
+
+
+def older_versions(checkpoint: str | os.PathLike) -> dict[int, Path]:
+    """{version: adapter directory} of the older versions a trainer checkpoint holds, oldest first."""
+    root = Path(checkpoint) / OLDER_VERSIONS
+    found = {int(d.name[1:]): d for d in root.glob("v*") if d.is_dir() and d.name[1:].isdigit()}
+    return dict(sorted(found.items()))

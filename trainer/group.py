@@ -135,10 +135,13 @@ class TrainerGroup:
     def _split(self, samples: list[Sample]) -> list[list[int]]:
         return split_by_tokens([s.num_tokens for s in samples], self.num_ranks)
 
-    def log_probs(self, samples: list[Sample]) -> tuple[list[np.ndarray], dict[str, float]]:
+    def log_probs(
+        self, samples: list[Sample], version: int | None = None
+    ) -> tuple[list[np.ndarray], dict[str, float]]:
+        """The samples' response log-probs at adapter `version` (a kept older one; None: the current)."""
         parts = self._split(samples)
         results = self._get(
-            [w.log_probs.remote([samples[i] for i in p], p) for w, p in zip(self.workers, parts)]
+            [w.log_probs.remote([samples[i] for i in p], p, version) for w, p in zip(self.workers, parts)]
         )
         return in_batch_order(len(samples), parts, [values for values, _ in results]), results[0][1]
 
@@ -204,21 +207,24 @@ class TrainerGroup:
     def export_adapter(self, dtype: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         return self._on_all("export_adapter", dtype)[0]
 
-    def export_adapter_ref(self, dtype: str | None = None) -> tuple[ray.ObjectRef, dict]:
+    def export_adapter_ref(
+        self, dtype: str | None = None, version: int | None = None
+    ) -> tuple[ray.ObjectRef, dict]:
         """As export_adapter, but the tensors stay in Ray's object store (a reference to rank 0's dict): the
         rollout workers read them from there, so the driver neither receives nor re-sends them (twice the
-        adapter's bytes through pickling per sync otherwise)."""
-        pairs = [w.export_adapter_pair.options(num_returns=2).remote(dtype) for w in self.workers]
+        adapter's bytes through pickling per sync otherwise). version: a kept older one (None: current)."""
+        pairs = [w.export_adapter_pair.options(num_returns=2).remote(dtype, version) for w in self.workers]
         configs = self._get([config for _, config in pairs])  # every rank done: the gathers are collective
         return pairs[0][0], configs[0]
 
     def export_merged(self) -> dict[str, torch.Tensor]:
         return self._on_all("export_merged")[0]
 
-    def export_merged_ref(self) -> ray.ObjectRef:
+    def export_merged_ref(self, version: int | None = None) -> ray.ObjectRef:
         """As export_merged, but the weights stay in the object store of rank 0's node (a reference to its
-        dict): the rollout workers read them from there, not through the driver."""
-        refs = [w.export_merged.remote() for w in self.workers]
+        dict): the rollout workers read them from there, not through the driver. version: a kept older
+        one (None: current)."""
+        refs = [w.export_merged.remote(version) for w in self.workers]
         # The other ranks' None: every rank is done (the gathers are collective). An error of rank 0's
         # surfaces where the rollout workers resolve the reference.
         self._get(refs[1:], ranks=list(range(1, len(refs))))

@@ -66,6 +66,9 @@ class TrainerSpec:
     # (trainer/nvfp4_tensor.py): nvfp4 = packed, dequantized per layer after FSDP's all-gather;
     # bf16 = the checkpoint's dequantized twin
     base_format: str = "bf16"
+    # older adapter versions each rank keeps (its shards) to score a batch with the version that generated
+    # it: rollout.max_staleness (trainer/versions.py)
+    keep_versions: int = 0
     seed: int = 0
 
     def __post_init__(self):
@@ -75,6 +78,8 @@ class TrainerSpec:
             raise ValueError(
                 f"TrainerSpec.base_format must be one of {BASE_FORMATS}, got {self.base_format!r}"
             )
+        if self.keep_versions < 0:
+            raise ValueError(f"TrainerSpec.keep_versions must be >= 0, got {self.keep_versions}")
         if self.logits_chunk_tokens < 0:
             raise ValueError(f"TrainerSpec.logits_chunk_tokens must be >= 0, got {self.logits_chunk_tokens}")
         if self.optim.schedule not in SCHEDULES:

@@ -44,6 +44,7 @@ from trainer.parallelize import parallelize
 from trainer.rendezvous import node_address
 from trainer.routing_replay import RoutingReplay, moe_routers
 from trainer.spec import TrainerSpec
+from trainer.versions import AdapterVersions
 
 
 @dataclass
@@ -120,7 +121,8 @@ class TrainerWorker:
         self._routing_cache: dict[str, np.ndarray] = {}  # this batch's fetched routing, by object id
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, spec.optim)
-        self.step = 0
+        self.step = 0  # updates so far: the adapter's version
+        self.versions = AdapterVersions(self.params, spec.keep_versions)  # older ones (rollout.max_staleness)
 
     # ------------------------------------------------------------------------------------------------
     # Batches.
@@ -248,13 +250,15 @@ class TrainerWorker:
 
     @torch.no_grad()
     def log_probs(
-        self, samples: list[Sample], sample_ids: list[int] | None = None
+        self, samples: list[Sample], sample_ids: list[int] | None = None, version: int | None = None
     ) -> tuple[list[np.ndarray], dict[str, float]]:
         """Per-sample response-token log-probs (float32, in the order of `samples`) and global metrics
         {"r3/replayed_fraction", "actor/entropy"}. No dropout, no gradients. sample_ids: the samples'
-        positions in the whole batch (error messages name them)."""
+        positions in the whole batch (error messages name them). version: the adapter version to score
+        with (one of the kept older ones: trainer/versions.py); None = the current one."""
         self._agree(lambda: self._check_samples(samples, sample_ids))
-        policy, _, metrics = self._scoring_pass(samples, policy=True, reference=False, live=True)
+        with self.versions.at(version, self.step):
+            policy, _, metrics = self._scoring_pass(samples, policy=True, reference=False, live=True)
         return policy, metrics
 
     @torch.no_grad()
@@ -394,6 +398,7 @@ class TrainerWorker:
                 "train_step: return_logprobs needs one on-policy optimizer step (no old_logprobs, no TIS/MIS, "
                 "one mini-batch, no LoRA dropout)"
             )
+        self.versions.save(self.step)  # the adapter this batch's update replaces
         # indices into the (single) step's samples; put back in the order of `samples` after the step
         scored: list[np.ndarray | None] | None = [None] * len(steps[0]) if return_logprobs else None
         ref_logprobs = None
@@ -556,37 +561,44 @@ class TrainerWorker:
                 out[name] = full.cpu() if full.device.type != "cpu" else full.clone()
         return out
 
-    def export_adapter(self, dtype: str | None = None) -> tuple[dict[str, torch.Tensor], dict] | None:
+    def export_adapter(
+        self, dtype: str | None = None, version: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict] | None:
         """PEFT adapter tensors (`get_peft_model_state_dict` key names, CPU) and adapter_config contents,
         on rank 0; None on the other ranks. The fp32 masters as they are, or cast to `dtype` (a torch dtype
         name) here, before they travel: the rollout computes LoRA in the model dtype, so a sync ships that
-        (half the bytes in bf16); checkpoints keep fp32."""
-        state = self._gathered(self.params, getattr(torch, dtype) if dtype else None)
+        (half the bytes in bf16); checkpoints keep fp32. version: a kept older version instead of the current one."""
+        with self.versions.at(version, self.step):
+            state = self._gathered(self.params, getattr(torch, dtype) if dtype else None)
         if self.rank != 0:
             return None
         tensors = {lora.peft_key(k): v for k, v in state.items()}
         return tensors, lora.peft_config_dict(self.model, self.spec.model_path)
 
-    def export_adapter_pair(self, dtype: str | None = None) -> tuple[dict | None, dict | None]:
+    def export_adapter_pair(
+        self, dtype: str | None = None, version: int | None = None
+    ) -> tuple[dict | None, dict | None]:
         """export_adapter as two values (tensors, config), (None, None) off rank 0: for Ray's
         `num_returns=2`, which keeps each in the object store under its own reference."""
-        return self.export_adapter(dtype) or (None, None)
+        return self.export_adapter(dtype, version) or (None, None)
 
     def gradients(self) -> dict[str, torch.Tensor] | None:
         """Full gradients of the LoRA weights after the last train_step, PEFT key names (rank 0; tests)."""
         grads = self._gathered([p.grad for p in self.params])
         return {lora.peft_key(k): v for k, v in grads.items()} if self.rank == 0 else None
 
-    def export_merged(self) -> dict[str, torch.Tensor] | None:
+    def export_merged(self, version: int | None = None) -> dict[str, torch.Tensor] | None:
         """The base weights with the LoRA update merged, in the model's on-disk Hugging Face names and
-        dtype (rank 0; others None). Gathers the whole model on rank 0: for merged sync of small models."""
+        dtype (rank 0; others None). Gathers the whole model on rank 0: for merged sync of small models.
+        version: a kept older adapter version instead of the current one."""
         layout = lora.lora_layout(self.model)
         packed = self.spec.base_format == "nvfp4"
         # A packed base is gathered packed, one weight at a time, and dequantized (trainer/nvfp4_tensor.py).
-        full = get_model_state_dict(
-            self.model,
-            options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=packed),
-        )
+        with self.versions.at(version, self.step):
+            full = get_model_state_dict(
+                self.model,
+                options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=packed),
+            )
         if packed:
             full.update(gather_frozen(self.model, self.rank == 0))
         if self.rank != 0:
@@ -617,11 +629,15 @@ class TrainerWorker:
         tmp = Path(holder[0])
         checkpoint_io.atomic_torch_save(_rng_state(), tmp / f"rng_rank{self.rank}.pt")
         adapter = self.export_adapter()
+        # the kept older versions: a batch in flight at the checkpoint was generated by one of them
+        older = {v: self.export_adapter(version=v) for v in self.versions.versions()}
         optim = get_optimizer_state_dict(
             self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         if self.rank == 0:
             checkpoint_io.write_adapter(tmp, *adapter)
+            for v, older_adapter in older.items():
+                checkpoint_io.write_adapter(tmp / checkpoint_io.older_version_dir(v), *older_adapter)
             checkpoint_io.atomic_torch_save(optim, tmp / "optimizer.pt")
             checkpoint_io.atomic_torch_save(self.scheduler.state_dict(), tmp / "scheduler.pt")
             checkpoint_io.atomic_write_json(
@@ -636,6 +652,10 @@ class TrainerWorker:
         """Restores what save_checkpoint wrote; returns the step. RNG needs the same world size."""
         d = Path(directory)
         state = json.loads((d / "trainer_state.json").read_text())
+        self.versions.clear()
+        for v, path in checkpoint_io.older_versions(d).items():  # oldest first
+            self.load_adapter(str(path))
+            self.versions.save(v)
         self.load_adapter(str(d))
         optim = torch.load(d / "optimizer.pt", weights_only=True)
         set_optimizer_state_dict(

@@ -290,6 +290,18 @@ def test_resources_must_hold_the_workers(tmp_path):
     )
 
 
+def test_an_async_rollout_needs_gpus_of_its_own(tmp_path):
+    gpus = ["resources.num_gpus=8", "trainer.num_ranks=4", "rollout.num_workers=4"]
+    msg = error(recipe(tmp_path), [*gpus, "rollout.max_staleness=1"])
+    assert msg.startswith(
+        "override 'rollout.max_staleness=1': rollout.max_staleness: 1 needs rollout.placement=split: "
+        "colocated engines sleep while the trainer updates"
+    )
+    cfg = load_config(recipe(tmp_path), [*gpus, "rollout.max_staleness=1", "rollout.placement=split"])
+    assert cfg.rollout.max_staleness == 1
+    assert load_config(recipe(tmp_path), ["rollout.max_staleness=2"]).rollout.max_staleness == 2  # CPU
+
+
 def test_engine_args_reach_vllm_over_the_settings_sparkrl_makes(tmp_path):
     from rollout.spec import engine_spec_from_config
     from rollout.worker import ModelInfo, engine_kwargs
