@@ -4,7 +4,11 @@ The config's run, for `trainer.total_steps` steps (no checkpoints, no eval unles
 its own run directory; then its metrics.jsonl as the rows. `rollout_corr/k3_kl` of each step is the KL
 budget's figure; `perf/sync_s` against `perf/step_s` is the share of a step the adapter sync takes.
 
-    python -m bench.grpo RECIPE [key=value ...] trainer.total_steps=20
+`--max-staleness 0,1` runs the config once for each `rollout.max_staleness`, one after another on the same
+seed, and adds to each run's median row `step_s_vs_first`: its median step time over that of the first value
+listed (with 0 first: the asynchronous loop's step time over the synchronous one's).
+
+    python -m bench.grpo RECIPE [key=value ...] trainer.total_steps=20 [--max-staleness 0,1]
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ KEYS = {  # row field <- metrics.jsonl key
     "rollout_tokens_per_s": "perf/rollout_tokens_per_s",
     "train_tokens_per_s": "perf/train_tokens_per_s",
     "r3_replayed_fraction": "r3/replayed_fraction",
+    "staleness": "rollout/staleness",
+    "overlap_s": "perf/rollout_overlap_s",
+    "policy_lag_k3_kl": "rollout/policy_lag_k3_kl",
 }
 
 
@@ -44,11 +51,11 @@ def rows_from_metrics(path) -> list[dict]:
     return rows + [summary]
 
 
-def measure(s, args) -> list[dict]:
+def run_steps(cfg) -> list[dict]:
+    """`trainer.total_steps` steps of `cfg` into a run directory of their own; the rows of its metrics."""
     from rl.config import run_dir
     from rl.driver import Run
 
-    cfg = s.cfg
     cfg.run.name = f"{cfg.run.name}-bench-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg.run.dir = ""
     cfg.trainer.checkpoint_every = 0
@@ -63,10 +70,38 @@ def measure(s, args) -> list[dict]:
     return rows_from_metrics(run_dir(cfg) / "metrics.jsonl")
 
 
+def measure(s, args) -> list[dict]:
+    from rl.config import load_config
+
+    if not args.max_staleness:
+        return run_steps(s.cfg)
+    rows, first = [], None
+    for k in args.max_staleness:
+        # load_config validates each value as `sparkrl train` would (colocated GPU placement refuses k > 0)
+        cfg = load_config(args.recipe, [*args.overrides, f"rollout.max_staleness={k}"])
+        cfg.run.name = f"{cfg.run.name}-k{k}"
+        run_rows = [{"max_staleness": k, **r} for r in run_steps(cfg)]
+        summary = run_rows[-1]
+        first = summary["step_s"] if first is None else first
+        summary["step_s_vs_first"] = summary["step_s"] / first
+        rows += run_rows
+    return rows
+
+
+def _args(p) -> None:
+    p.add_argument(
+        "--max-staleness",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=None,
+        help="comma-separated rollout.max_staleness values, one run each (default: the config's own)",
+    )
+
+
 BENCH = Bench(
     name="grpo",
     doc=__doc__.splitlines()[0],
     columns=(
+        "max_staleness",
         "step",
         "k3_kl",
         "reward_mean",
@@ -76,8 +111,12 @@ BENCH = Bench(
         "sync_s",
         "sync_share",
         "rollout_tokens_per_s",
+        "staleness",
+        "overlap_s",
+        "step_s_vs_first",
     ),
     measure=measure,
+    add_args=_args,
     rollout=False,
     trainer=lambda cfg: False,
 )
