@@ -64,7 +64,6 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
     )
     from rollout.pool import RolloutPool
     from rollout.spec import engine_spec_from_config
-    from rollout.staging import default_stage_root
 
     if not cfg.eval.data:
         raise ValueError("eval.data: empty; name an eval prompt source (e.g. BytedTsinghua-SIA/AIME-2024)")
@@ -76,7 +75,7 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
         pool = RolloutPool(
             engine_spec_from_config(cfg, rollout_path),
             cfg.rollout.num_workers,
-            stage_dir=str(default_stage_root(f"{cfg.run.name}-eval")),
+            stage=f"{cfg.run.name}-eval",
         )
     try:
         if adapter is not None:

@@ -265,12 +265,11 @@ def build_rollout(cfg: SparkConfig, place, rollout_path: str, wait: bool = True)
     returns once its workers are asked for (`RolloutPool.wait_ready` waits for them)."""
     from rollout.pool import RolloutPool
     from rollout.spec import engine_spec_from_config
-    from rollout.staging import default_stage_root
 
     return RolloutPool(
         engine_spec_from_config(cfg, rollout_path),
         cfg.rollout.num_workers,
-        stage_dir=str(default_stage_root(cfg.run.name)),
+        stage=cfg.run.name,  # each worker's directory of that name on its own node (rollout.staging)
         placement_group=place.placement_group,
         bundle_indices=place.rollout_bundles,
         actor_options=place.rollout_options,

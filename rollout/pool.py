@@ -54,7 +54,7 @@ class RolloutPool:
         self,
         spec: EngineSpec,
         num_workers: int,
-        stage_dir: str,
+        stage: str,
         placement_group=None,
         bundle_indices: list[list[int]] | None = None,
         actor_options: dict | None = None,
@@ -64,7 +64,7 @@ class RolloutPool:
     ):
         if num_workers < 1:
             raise ValueError(f"RolloutPool: num_workers must be >= 1, got {num_workers}")
-        self.spec, self.num_workers, self.stage_dir = spec, num_workers, str(stage_dir)
+        self.spec, self.num_workers, self.stage = spec, num_workers, str(stage)
         self._placement_group = placement_group
         self._bundles = bundle_indices or [[i] for i in range(num_workers)]
         if len(self._bundles) != num_workers:
@@ -112,7 +112,7 @@ class RolloutPool:
                 # vLLM's Ray executor starts the TP workers as this actor's children, in this group.
                 placement_group_capture_child_tasks=bundles is not None,
             )
-        return self._remote_cls.options(**options).remote(self.spec, self.stage_dir, bundles)
+        return self._remote_cls.options(**options).remote(self.spec, self.stage, bundles)
 
     def _recreate(self, i: int, cause: BaseException) -> None:
         log.warning("rollout worker %d died (%s); recreating it", i, cause)

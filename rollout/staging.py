@@ -1,9 +1,11 @@
 """Private, atomic staging of weights that a vLLM engine reads from disk (adapters, merged weights).
 
 vLLM loads a LoRA adapter from a directory, so every sync writes one. It goes to a per-run directory
-(mode 0700: adapters are model weights) on /dev/shm where present (RAM, no disk write), each worker in
-a subdirectory of its own, and each version is written to a temporary name and renamed into place so
-that the engine never sees a half-written adapter.
+(mode 0700: adapters are model weights) on the worker's own node, under that node's staging base
+(`SPARKRL_STAGE_DIR` where the node's environment sets it, else /dev/shm where writable: RAM, no disk
+write; else the temp directory), each worker in a subdirectory of its own, and each version is written
+to a temporary name and renamed into place so that the engine never sees a half-written adapter. The
+driver names the directory; each worker resolves the name on its node, so no path crosses nodes.
 """
 
 from __future__ import annotations
@@ -15,13 +17,29 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+# Set in a node's environment (`ray start` there, or a container's env): where its rollout workers stage
+# weights, e.g. a RAM disk of its own where the node's /dev/shm is a container's 64 MiB.
+STAGE_DIR_ENV = "SPARKRL_STAGE_DIR"
 
-def default_stage_root(run_name: str) -> Path:
-    """`/dev/shm/sparkrl-<user>-<run_name>` (or under the temp directory where /dev/shm is absent)."""
+
+def stage_base() -> Path:
+    """This node's staging base: $SPARKRL_STAGE_DIR, else /dev/shm where writable, else the temp directory."""
+    if configured := os.environ.get(STAGE_DIR_ENV):
+        return Path(configured)
     base = Path("/dev/shm")
-    if not (base.is_dir() and os.access(base, os.W_OK)):
-        base = Path(tempfile.gettempdir())
-    return base / f"sparkrl-{getpass.getuser()}-{run_name}"
+    if base.is_dir() and os.access(base, os.W_OK):
+        return base
+    return Path(tempfile.gettempdir())
+
+
+def stage_root(stage: str | Path) -> Path:
+    """The staging directory `stage` names on the calling node: an absolute path as it is; a name (a run's)
+    `<stage_base()>/sparkrl-<user>-<name>`."""
+    if Path(stage).is_absolute():
+        return Path(stage)
+    if "/" in str(stage) or str(stage) in ("", ".", ".."):
+        raise ValueError(f"stage directory name {stage!r}: expected an absolute path or a plain name")
+    return stage_base() / f"sparkrl-{getpass.getuser()}-{stage}"
 
 
 class StageDir:

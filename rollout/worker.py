@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import ray
 import torch
 
 from rl.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft_dir
@@ -27,7 +28,7 @@ from rollout.adapter_layout import merged_to_checkpoint, peft_to_vllm, sibling_p
 from rollout.lora_kernels import HopperLoraConfigs, hopper_gpu_name
 from rollout.safetensors_io import write_safetensors
 from rollout.spec import EngineBundles, EngineSpec, PromptRequest, SamplingSpec
-from rollout.staging import StageDir, dir_bytes
+from rollout.staging import StageDir, dir_bytes, stage_root
 
 log = logging.getLogger(__name__)
 
@@ -259,12 +260,13 @@ def engine_env(spec: EngineSpec, bundles: EngineBundles | None) -> dict[str, str
 
 
 class RolloutWorker:
-    """Owns one vLLM engine. `stage_root`: the per-run staging directory (rollout.staging). `bundles`: the
+    """Owns one vLLM engine. `stage`: the per-run staging directory, a name resolved on this worker's node or
+    an absolute path (rollout.staging.stage_root). `bundles`: the
     placement-group bundles of the engine's TP ranks, when vLLM's Ray executor places them (colocated TP);
     None: the engine runs on what this actor holds. Sleep and wake reach every TP rank: vLLM's executor
     forwards them to all its workers, as it does `collective_rpc`."""
 
-    def __init__(self, spec: EngineSpec, stage_root: str | Path, bundles: EngineBundles | None = None):
+    def __init__(self, spec: EngineSpec, stage: str | Path, bundles: EngineBundles | None = None):
         # This worker's output, and its engine-core process's, into the run's logs/ (rl/worker_logs.py).
         capture(f"rollout-{os.getpid()}")
         self.spec = spec
@@ -279,7 +281,7 @@ class RolloutWorker:
         if spec.cpu_kvcache_gb:
             # Read by vLLM's CPU backend in the engine process, which inherits this environment.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.cpu_kvcache_gb:g}"
-        self.stage = StageDir(stage_root)
+        self.stage = StageDir(stage_root(stage))
         kwargs = engine_kwargs(spec, self.info, bundles)
         self.in_process = in_process(spec, bundles)
         os.environ.update(engine_env(spec, bundles))  # read by vLLM in this process and the engine core's
@@ -509,6 +511,9 @@ class RolloutWorker:
             "version": self.version,
             "sleeping": self._sleeping,
             "engine_in_process": self.in_process,
+            "node_ip": ray.util.get_node_ip_address(),
+            # where this worker's engine reads its weights from: its own node's staging directory
+            "staged": str(self.stage.dir / self._staged) if self._staged else None,
         }
 
     def shutdown(self) -> None:

@@ -3,6 +3,8 @@ instance a module, and a Ray cluster of one-CPU nodes a module that tests can ta
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rl.config import load_config
@@ -36,15 +38,28 @@ SPARE_IPS = ("127.0.0.5", "127.0.0.6", "127.0.0.7")
 class NodeCluster:
     """A Ray cluster of one-CPU nodes on this machine (ray.cluster_utils.Cluster) that a test can take nodes
     from and add nodes to. One CPU a node: each worker of a run (a trainer rank, a rollout engine) has a
-    node of its own, so a lost node loses exactly that worker."""
+    node of its own, so a lost node loses exactly that worker. Each node stages weights in a directory of
+    its own (`stage_base(ip)`, its raylet's SPARKRL_STAGE_DIR, which its workers inherit), as separate
+    machines each have their own /dev/shm."""
 
-    def __init__(self, cluster, node_args: dict):
+    def __init__(self, cluster, node_args: dict, stage_bases: Path):
         self.cluster, self.node_args, self.nodes = cluster, node_args, {}
         self.spares = list(SPARE_IPS)
+        self.stage_bases = stage_bases
+
+    def stage_base(self, ip: str) -> Path:
+        return self.stage_bases / ip
 
     def add(self, ip: str | None = None) -> str:
+        from rollout.staging import STAGE_DIR_ENV
+
         ip = ip or self.spares.pop(0)
-        self.nodes[ip] = self.cluster.add_node(**self.node_args, num_cpus=1, node_ip_address=ip)
+        self.nodes[ip] = self.cluster.add_node(
+            **self.node_args,
+            num_cpus=1,
+            node_ip_address=ip,
+            env_vars={STAGE_DIR_ENV: str(self.stage_base(ip))},
+        )
         self.cluster.wait_for_nodes()
         return ip
 
@@ -72,7 +87,7 @@ def node_cluster():
     health = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
     c = Cluster(initialize_head=True, head_node_args={**common, "num_cpus": 0, "_system_config": health})
     try:
-        nodes = NodeCluster(c, common)
+        nodes = NodeCluster(c, common, Path(tmp) / "stage")
         for ip in NODE_IPS:
             nodes.add(ip)
         c.connect()

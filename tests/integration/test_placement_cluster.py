@@ -76,7 +76,7 @@ def cluster():
 class EngineStandIn:
     """RolloutWorker's constructor and ping; reports where it runs and starts its TP ranks as vLLM would."""
 
-    def __init__(self, spec, stage_dir, bundles=None):
+    def __init__(self, spec, stage, bundles=None):
         self.bundles = bundles
         self.env = engine_env(spec, bundles)
         self.ranks = []

@@ -37,7 +37,7 @@ def local_ray():
 class StandInWorker:
     """RolloutWorker's interface without vLLM. data_source cues: 'die-once:<file>', 'die', 'raise'."""
 
-    def __init__(self, spec, stage_dir, bundles=None):
+    def __init__(self, spec, stage, bundles=None):
         self.version = 0
 
     def ping(self):

