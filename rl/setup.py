@@ -40,7 +40,13 @@ def resolve_model_paths(cfg: SparkConfig) -> tuple[str, str]:
 
         path = str(make_tiny(tiny.arch, seed=tiny.seed, sft=tiny.sft or None))
         return path, path
-    return cfg.model.path, cfg.model.rollout_path or cfg.model.path
+    return _for_workers(cfg.model.path), _for_workers(cfg.model.rollout_path or cfg.model.path)
+
+
+def _for_workers(path: str) -> str:
+    """A local checkpoint directory made absolute (workers on other nodes run in their raylet's working
+    directory, not the driver's); a hub id as it is."""
+    return str(Path(path).absolute()) if path and Path(path).exists() else path
 
 
 def load_prompts_for(cfg: SparkConfig, spec: str, tokenizer, split: str, rows: int) -> list[Prompt]:

@@ -4,6 +4,7 @@ tokens and the results come back in the batch's order."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import ray
@@ -20,6 +21,13 @@ from trainer.worker import TrainerWorker
 
 # How long a failed call waits for the other ranks' calls, to tell a dead rank from its peers' errors.
 LOST_RANK_GRACE_S = 60.0
+
+
+def for_ranks(directory: str | Path) -> str:
+    """A directory as the ranks must be told it: absolute, from the driver's working directory. A rank on
+    another node runs in its raylet's working directory, where a relative `runs/<name>` names another place
+    (on a shared filesystem, the driver's absolute path is the one all nodes see)."""
+    return str(Path(directory).absolute())
 
 
 class TrainerRankLost(RuntimeError):
@@ -233,14 +241,14 @@ class TrainerGroup:
     def gradients(self) -> dict[str, torch.Tensor]:
         return self._on_all("gradients")[0]
 
-    def load_adapter(self, directory: str) -> None:
-        self._on_all("load_adapter", directory)
+    def load_adapter(self, directory: str | Path) -> None:
+        self._on_all("load_adapter", for_ranks(directory))
 
-    def save_checkpoint(self, directory: str) -> None:
-        self._on_all("save_checkpoint", directory)
+    def save_checkpoint(self, directory: str | Path) -> None:
+        self._on_all("save_checkpoint", for_ranks(directory))
 
-    def load_checkpoint(self, directory: str) -> int:
-        self.batches = self._on_all("load_checkpoint", directory)[0]
+    def load_checkpoint(self, directory: str | Path) -> int:
+        self.batches = self._on_all("load_checkpoint", for_ranks(directory))[0]
         return self.batches
 
     def shutdown(self) -> None:

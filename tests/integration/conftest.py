@@ -38,28 +38,32 @@ SPARE_IPS = ("127.0.0.5", "127.0.0.6", "127.0.0.7")
 class NodeCluster:
     """A Ray cluster of one-CPU nodes on this machine (ray.cluster_utils.Cluster) that a test can take nodes
     from and add nodes to. One CPU a node: each worker of a run (a trainer rank, a rollout engine) has a
-    node of its own, so a lost node loses exactly that worker. Each node stages weights in a directory of
-    its own (`stage_base(ip)`, its raylet's SPARKRL_STAGE_DIR, which its workers inherit), as separate
-    machines each have their own /dev/shm."""
+    node of its own, so a lost node loses exactly that worker. As on machines of their own, each node has
+    a directory of its own (`node_dir(ip)`): its raylet, and so its workers, run there, and it is their
+    SPARKRL_STAGE_DIR, where they stage weights (a machine's own /dev/shm)."""
 
-    def __init__(self, cluster, node_args: dict, stage_bases: Path):
+    def __init__(self, cluster, node_args: dict, node_dirs: Path):
         self.cluster, self.node_args, self.nodes = cluster, node_args, {}
         self.spares = list(SPARE_IPS)
-        self.stage_bases = stage_bases
+        self.node_dirs = node_dirs
 
-    def stage_base(self, ip: str) -> Path:
-        return self.stage_bases / ip
+    def node_dir(self, ip: str) -> Path:
+        return self.node_dirs / ip
 
     def add(self, ip: str | None = None) -> str:
+        import contextlib
+
         from rollout.staging import STAGE_DIR_ENV
 
         ip = ip or self.spares.pop(0)
-        self.nodes[ip] = self.cluster.add_node(
-            **self.node_args,
-            num_cpus=1,
-            node_ip_address=ip,
-            env_vars={STAGE_DIR_ENV: str(self.stage_base(ip))},
-        )
+        self.node_dir(ip).mkdir(parents=True, exist_ok=True)
+        with contextlib.chdir(self.node_dir(ip)):  # the raylet's working directory, and so its workers'
+            self.nodes[ip] = self.cluster.add_node(
+                **self.node_args,
+                num_cpus=1,
+                node_ip_address=ip,
+                env_vars={STAGE_DIR_ENV: str(self.node_dir(ip))},
+            )
         self.cluster.wait_for_nodes()
         return ip
 
@@ -87,7 +91,7 @@ def node_cluster():
     health = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
     c = Cluster(initialize_head=True, head_node_args={**common, "num_cpus": 0, "_system_config": health})
     try:
-        nodes = NodeCluster(c, common, Path(tmp) / "stage")
+        nodes = NodeCluster(c, common, Path(tmp) / "nodes")
         for ip in NODE_IPS:
             nodes.add(ip)
         c.connect()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from rl.checkpoint import latest_checkpoint
 from rl.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -20,8 +21,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def dense_run(tmp_path_factory, node_cluster, tiny_dense_path, small_demo_config):
     """The tiny dense model with adapter sync, asked for 200 steps and sent SIGTERM during step 2 (a
-    scheduler's preemption), in this process, its trainer ranks and engine on nodes of their own. Before
-    step 2, where the engine's node staged the adapter of step 1's sync. -> SimpleNamespace(dir, summary,
+    scheduler's preemption), in this process, its trainer ranks and engine on nodes of their own, with
+    `run.dir` relative to the driver's working directory (each node's workers run in a directory of their
+    own). Before step 2, where the engine's node staged the adapter of step 1's sync. -> SimpleNamespace(dir, summary,
     handler_back: the process's own SIGTERM handler is back afterwards, printed, pings: the rollout
     workers' before step 2, trainer_nodes)."""
     import contextlib
@@ -35,7 +37,7 @@ def dense_run(tmp_path_factory, node_cluster, tiny_dense_path, small_demo_config
 
     tmp = tmp_path_factory.mktemp("runs")
     cfg = small_demo_config(
-        tmp,
+        Path("."),  # run.dir=dense, in the driver's working directory (tmp)
         "dense",
         [
             "model.make_tiny.arch=dense",
@@ -52,7 +54,7 @@ def dense_run(tmp_path_factory, node_cluster, tiny_dense_path, small_demo_config
     ours = signal.getsignal(signal.SIGTERM)
     printed = io.StringIO()
     out = SimpleNamespace(dir=tmp / "dense", pings=[])
-    with contextlib.redirect_stdout(printed):
+    with contextlib.redirect_stdout(printed), contextlib.chdir(tmp):
         run = Run(cfg)
         try:
             original = run.train_step
@@ -63,7 +65,7 @@ def dense_run(tmp_path_factory, node_cluster, tiny_dense_path, small_demo_config
                     out.adapters_under = {  # what is staged under each node's base and the driver's default
                         where: sorted(base.rglob("adapter-v*")) if base.exists() else []
                         for where, base in [
-                            *((ip, node_cluster.stage_base(ip)) for ip in node_cluster.nodes),
+                            *((ip, node_cluster.node_dir(ip)) for ip in node_cluster.nodes),
                             ("driver", stage_root(cfg.run.name)),
                         ]
                     }
@@ -96,7 +98,7 @@ def test_dense_model_runs_adapter_only_sync(dense_run, node_cluster):
     assert engine_ip not in dense_run.trainer_nodes and len(set(dense_run.trainer_nodes)) == 2
     assert staged.name.startswith("adapter-v1-")
     under = dense_run.adapters_under
-    assert under.pop(engine_ip) == [staged] and staged.is_relative_to(node_cluster.stage_base(engine_ip))
+    assert under.pop(engine_ip) == [staged] and staged.is_relative_to(node_cluster.node_dir(engine_ip))
     assert len(under) == 3 and not any(under.values()), under  # two other nodes and the driver
 
     # `sparkrl eval RUN_DIR` scores the newest checkpoint's adapter on fresh rollout workers.
@@ -110,7 +112,7 @@ def test_dense_model_runs_adapter_only_sync(dense_run, node_cluster):
     assert len(lines) == 8 * 4  # eval_rows x k
 
 
-def test_sigterm_finishes_the_step_writes_a_checkpoint_and_stops(dense_run):
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_stops(dense_run, node_cluster):
     """SIGTERM during step 2 of 200: the step finishes, a checkpoint is written, the run stops and says how
     to resume, and the process's own handler is back afterwards. `sparkrl train` as a command runs in
     test_submit.py."""
@@ -119,6 +121,11 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_stops(dense_run):
     assert dense_run.summary["steps"] == 2 and _steps(run_dir) == [1, 2]
     state = json.loads((run_dir / "checkpoints" / "step_2" / "driver_state.json").read_text())
     assert state["step"] == 2
+    # The ranks, whose nodes run them in directories of their own, wrote under the driver's relative run.dir.
+    assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step_2"
+    trainer = {p.name for p in (run_dir / "checkpoints" / "step_2" / "trainer").iterdir()}
+    assert {"adapter_model.safetensors", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt"} <= trainer
+    assert not any((node_cluster.node_dir(ip) / "dense").exists() for ip in node_cluster.nodes)
     assert "SIGTERM" in printed and "--resume" in printed
 
 

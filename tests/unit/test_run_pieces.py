@@ -81,3 +81,17 @@ def test_metrics_jsonl_drops_steps_after_the_resume_point(tmp_path):
     log.close()
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["reward/mean"] == 0.9
+
+
+def test_a_relative_model_directory_reaches_the_workers_absolute(tmp_path, monkeypatch):
+    """Workers on other nodes run in their raylet's working directory: a local model.path goes to them
+    absolute, a hub id as written."""
+    from rl.config import load_config
+    from rl.setup import resolve_model_paths
+
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        "demo_cpu", ["model.make_tiny.arch=", "model.path=models/base", "model.rollout_path=org/hub-id"]
+    )
+    assert resolve_model_paths(cfg) == (str(tmp_path / "models" / "base"), "org/hub-id")
