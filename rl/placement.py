@@ -1,6 +1,7 @@
 """Where the workers run: one Ray placement group for trainer ranks and rollout engines.
 
-- CPU: no placement group; every worker takes one CPU slot.
+- CPU: no placement group for the run; every worker takes one CPU slot, the trainer ranks in a group of
+  their own (trainer.group.TrainerGroup).
 - GPU, `rollout.placement: split`: bundle r = {GPU: 1} for trainer rank r, then one bundle of
   {GPU: tensor_parallel_size} per rollout engine: the engine's actor holds all its GPUs and vLLM's
   multiprocessing executor runs the TP ranks inside it (a bundle sits on one node, so the engine does too).
@@ -106,6 +107,11 @@ def plan_placement(cfg: SparkConfig) -> tuple[list[dict], Placement]:
 
 def placement_group_name(cfg: SparkConfig) -> str:
     return f"sparkrl-{cfg.run.name}"
+
+
+def trainer_group_name(cfg: SparkConfig) -> str:
+    """The placement group the trainer ranks reserve for themselves where the run has none (CPU)."""
+    return f"{placement_group_name(cfg)}-trainer"
 
 
 def bundle_nodes(pg) -> list[str]:

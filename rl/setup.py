@@ -15,7 +15,7 @@ from typing import Any
 
 from rl.config import ConfigError, SparkConfig
 from rl.data.loader import Prompt, tokenize_prompts
-from rl.placement import create_placement, placement_group_name
+from rl.placement import create_placement, placement_group_name, trainer_group_name
 
 
 @dataclass
@@ -297,6 +297,7 @@ def build_trainer(cfg: SparkConfig, place, spec, wait: bool = True):
         bundle_offset=place.trainer_bundle_offset,
         num_gpus_per_rank=place.trainer_gpus_per_rank,
         wait=wait,
+        placement_group_name=trainer_group_name(cfg),  # the group it reserves when `place` has none
     )
 
 
@@ -326,7 +327,7 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
     )
     spec = trainer_spec(cfg, model_path)
     if workers_start_together(cfg):
-        with waiting_for_resources(cfg, "the rollout engines and the trainer ranks"):
+        with waiting_for_resources(cfg, "the rollout engines and the trainer ranks", trainer_group_name(cfg)):
             rollout = build_rollout(cfg, place, rollout_path, wait=False)
             trainer = build_trainer(cfg, place, spec, wait=False)
             rollout.wait_ready()
@@ -334,7 +335,7 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
     else:
         with waiting_for_resources(cfg, "the rollout engines"):
             rollout = build_rollout(cfg, place, rollout_path)
-        with waiting_for_resources(cfg, "the trainer ranks"):
+        with waiting_for_resources(cfg, "the trainer ranks", trainer_group_name(cfg)):
             trainer = build_trainer(cfg, place, spec)
     reward = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend)
     return Components(

@@ -44,7 +44,10 @@ class TrainerGroup:
     """num_ranks TrainerWorker actors (CPU: gloo, num_cpus=1 each; GPU: NCCL, num_gpus=1 each).
 
     placement_group: bundles for the ranks (bundle bundle_offset + r hosts rank r), e.g. to share GPUs
-    with rollout; num_gpus_per_rank is then the rank's share of its bundle's GPU.
+    with rollout; num_gpus_per_rank is then the rank's share of its bundle's GPU. None: the group reserves
+    one of its own, a bundle a rank (named `placement_group_name`, so that a wait for it is reported), and
+    removes it at shutdown. Ranks asked for one by one, with no reservation, can be leased together to one
+    node's last free slot, where Ray (2.60) left the second waiting for good while another node was idle.
     master_addr, master_port: where rank 0 listens for the rendezvous. By default the address Ray reports
     for the node rank 0 runs on, and a port free there (`rank0_endpoint`): the driver's own node may hold
     no rank at all, and on a cluster of several machines its address is not rank 0's.
@@ -62,6 +65,7 @@ class TrainerGroup:
         master_addr: str | None = None,
         master_port: int | None = None,
         wait: bool = True,
+        placement_group_name: str = "",
     ):
         if num_ranks < 1:
             raise ValueError(f"TrainerGroup: num_ranks must be >= 1, got {num_ranks}")
@@ -72,29 +76,41 @@ class TrainerGroup:
         self.broken = False  # a rank is lost or stuck: ranks may wait in a collective, so shutdown only kills
         # colocated with rollout engines: a fraction of the rank's GPU (the engine holds the rest)
         resources = {"num_gpus": num_gpus_per_rank, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
-        options = [dict(resources) for _ in range(num_ranks)]
-        if placement_group is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        self.own_placement_group = None
+        if placement_group is None:
+            from ray.util.placement_group import placement_group as reserve
 
-            for r, opts in enumerate(options):
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            bundle = {"CPU": 1, **({"GPU": num_gpus_per_rank} if use_gpu else {})}
+            placement_group = reserve([bundle] * num_ranks, strategy="PACK", name=placement_group_name)
+            self.own_placement_group, bundle_offset = placement_group, 0
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options = [
+            {
+                **resources,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=placement_group, placement_group_bundle_index=bundle_offset + r
-                )
-        if master_addr is None or master_port is None:
-            node_id, addr, port = rank0_endpoint(options[0])
-            if placement_group is None:  # rank 0 goes where its endpoint was found
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-                options[0]["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-            master_addr, master_port = master_addr or addr, master_port or port
-        self.master_addr, self.master_port = master_addr, master_port
-        actor = ray.remote(TrainerWorker)
-        self.workers = [
-            actor.options(**opts).remote(r, num_ranks, self.master_addr, self.master_port, spec)
-            for r, opts in enumerate(options)
+                ),
+            }
+            for r in range(num_ranks)
         ]
-        if wait:
-            self.wait_ready()
+        self.workers = []
+        try:
+            if master_addr is None or master_port is None:
+                _, addr, port = rank0_endpoint(options[0])  # in rank 0's bundle, once Ray has reserved it
+                master_addr, master_port = master_addr or addr, master_port or port
+            self.master_addr, self.master_port = master_addr, master_port
+            actor = ray.remote(TrainerWorker)
+            self.workers = [
+                actor.options(**opts).remote(r, num_ranks, self.master_addr, self.master_port, spec)
+                for r, opts in enumerate(options)
+            ]
+            if wait:
+                self.wait_ready()
+        except BaseException:
+            self.broken = True  # ranks may be waiting in the rendezvous for one that failed
+            self.shutdown()
+            raise
 
     def wait_ready(self) -> None:
         """Until every rank's constructor has returned (`wait=False` left the caller to call this). The
@@ -254,12 +270,15 @@ class TrainerGroup:
     def shutdown(self) -> None:
         """Idempotent. After a failed call only kills the ranks: a live one may be waiting in a collective
         for a dead one."""
-        if not self.workers:
-            return
         try:
-            if not self.broken:
+            if self.workers and not self.broken:
                 self._on_all("shutdown")
         finally:
             for w in self.workers:
                 ray.kill(w)
             self.workers = []
+            if self.own_placement_group is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.own_placement_group)  # its slots free for the next group
+                self.own_placement_group = None
