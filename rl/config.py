@@ -137,7 +137,9 @@ class RolloutConfig:
         0,
         "Adapter versions a batch may lag the update it trains (0 = synchronous). k > 0: the next k batches "
         "are generated while the trainer updates, batch j by adapter j-1-k; the trainer scores each with "
-        "its generating version for the on-policy check (split placement on GPUs).",
+        "its generating version for the on-policy check (split placement on GPUs). Pair it with "
+        "algorithm.rollout_correction (e.g. tis_cap=2), which weighs the lag too: without, the CPU demo "
+        "stopped learning (docs/benchmarks.md).",
         ge=0,
     )
     enable_prefix_caching: bool = _f(True, "Reuse the KV cache of a shared prompt across its n samples.")

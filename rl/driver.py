@@ -107,8 +107,9 @@ class Run:
 
         start = time.perf_counter()
         previous = self._install_signal_handlers()
-        if notice := compile_notice(self.cfg):
-            self.log.event(notice)
+        for notice in (compile_notice(self.cfg), staleness_notice(self.cfg)):
+            if notice:
+                self.log.event(notice)
         try:
             if self.cfg.eval.at_start and self.step == 0 and self._has_eval():
                 self.log.log(0, self.evaluate(0))
@@ -629,5 +630,19 @@ def compile_notice(cfg) -> str | None:
         return (
             "trainer: the first step compiles each decoder layer (torch.compile; a few minutes, once per "
             "trainer start); trainer.compile=false skips it"
+        )
+    return None
+
+
+def staleness_notice(cfg) -> str | None:
+    """rollout.max_staleness > 0 with no importance weight for the lag: the update weighs the older adapter's
+    tokens as its own. Said before the run, as it can stall learning at a large step size (the CPU demo's,
+    docs/benchmarks.md)."""
+    rc = cfg.algorithm.rollout_correction
+    if cfg.rollout.max_staleness and not (rc.tis_cap or rc.mis_low or rc.mis_high):
+        return (
+            f"[yellow]rollout.max_staleness={cfg.rollout.max_staleness} with no algorithm.rollout_correction: "
+            "the update weighs tokens an older adapter sampled as its own; a cap such as "
+            "algorithm.rollout_correction.tis_cap=2 weighs them by current / rollout probability"
         )
     return None

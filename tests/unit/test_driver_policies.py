@@ -121,6 +121,18 @@ def test_compiled_gpu_trainer_announces_its_long_first_step():
     assert notice and "first step compiles" in notice and "trainer.compile=false" in notice
 
 
+def test_an_asynchronous_run_without_a_lag_correction_is_told_before_it_starts():
+    from rl.driver import staleness_notice
+
+    assert staleness_notice(_cfg()) is None  # synchronous
+    notice = staleness_notice(_cfg("rollout.max_staleness=1"))
+    assert notice and "rollout.max_staleness=1" in notice and "tis_cap" in notice
+    assert staleness_notice(_cfg("rollout.max_staleness=1", "algorithm.rollout_correction.tis_cap=2")) is None
+    assert (
+        staleness_notice(_cfg("rollout.max_staleness=2", "algorithm.rollout_correction.mis_high=3")) is None
+    )
+
+
 def test_every_draw_of_every_step_and_every_eval_gets_its_own_sampling_seed():
     from rl.config import MAX_DRAWS, ConfigError
     from rl.driver import eval_stream, sampling_seed, train_stream
