@@ -97,7 +97,7 @@ class TrainerGroup:
         self.workers = []
         try:
             if master_addr is None or master_port is None:
-                _, addr, port = rank0_endpoint(options[0])  # in rank 0's bundle, once Ray has reserved it
+                addr, port = rank0_endpoint(options[0])  # in rank 0's bundle, once Ray has reserved it
                 master_addr, master_port = master_addr or addr, master_port or port
             self.master_addr, self.master_port = master_addr, master_port
             actor = ray.remote(TrainerWorker)

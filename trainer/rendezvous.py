@@ -22,12 +22,12 @@ def node_address() -> tuple[str, str]:
     return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
 
-def node_endpoint() -> tuple[str, str, int]:
-    """(node id, the address Ray reports for this node, a port free on it), from where it runs."""
-    return *node_address(), free_port()
+def node_endpoint() -> tuple[str, int]:
+    """(the address Ray reports for this node, a port free on it), from where it runs."""
+    return ray.util.get_node_ip_address(), free_port()
 
 
-def rank0_endpoint(rank0_options: dict) -> tuple[str, str, int]:
+def rank0_endpoint(rank0_options: dict) -> tuple[str, int]:
     """`node_endpoint` of the node that rank 0's actor options (its resources, its placement-group bundle)
     place it on: a task of the same shape runs there first. The port is free when the task looks; rank 0
     binds it seconds later."""

@@ -23,9 +23,9 @@ def dense_run(tmp_path_factory, node_cluster, tiny_dense_path, small_demo_config
     """The tiny dense model with adapter sync, asked for 200 steps and sent SIGTERM during step 2 (a
     scheduler's preemption), in this process, its trainer ranks and engine on nodes of their own, with
     `run.dir` relative to the driver's working directory (each node's workers run in a directory of their
-    own). Before step 2, where the engine's node staged the adapter of step 1's sync. -> SimpleNamespace(dir, summary,
-    handler_back: the process's own SIGTERM handler is back afterwards, printed, pings: the rollout
-    workers' before step 2, trainer_nodes)."""
+    own). Before step 2, where the engine's node staged the adapter of step 1's sync. ->
+    SimpleNamespace(dir, summary, handler_back: the process's own SIGTERM handler is back afterwards,
+    printed, pings: the rollout workers' before step 2, adapters_under, trainer_nodes)."""
     import contextlib
     import io
     from types import SimpleNamespace
@@ -53,7 +53,7 @@ def dense_run(tmp_path_factory, node_cluster, tiny_dense_path, small_demo_config
     )
     ours = signal.getsignal(signal.SIGTERM)
     printed = io.StringIO()
-    out = SimpleNamespace(dir=tmp / "dense", pings=[])
+    out = SimpleNamespace(dir=tmp / "dense")
     with contextlib.redirect_stdout(printed), contextlib.chdir(tmp):
         run = Run(cfg)
         try:
@@ -93,7 +93,7 @@ def test_dense_model_runs_adapter_only_sync(dense_run, node_cluster):
     assert all(r["rollout_corr/k3_kl"] < 1e-3 for r in records)
     # The adapter reached the engine from trainer ranks on two other nodes, and the engine staged it in
     # its own node's directory: no other node's, and not the driver's default (/dev/shm here).
-    ((ping,),) = [dense_run.pings]
+    (ping,) = dense_run.pings  # the one engine's
     engine_ip, staged = ping["node_ip"], Path(ping["staged"])
     assert engine_ip not in dense_run.trainer_nodes and len(set(dense_run.trainer_nodes)) == 2
     assert staged.name.startswith("adapter-v1-")
