@@ -12,6 +12,10 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 # uv resolves and installs the same pins as pip in well under a minute (pip: about 5 minutes). It is
 # installed into the venv from PyPI; INSTALLER=pip (or a machine where uv cannot be had) uses plain pip.
+# Both write the packages' bytecode at install (pip by default, uv with --compile-bytecode, about 40 s on
+# 2 cores): where PYTHONDONTWRITEBYTECODE is set (this machine and CI set it), no process caches what it
+# compiles, so each Ray worker, engine and trainer rank would compile torch, vLLM and verl from source.
+# Measured: `import trainer.worker` 14 s -> 6 s, `import vllm` 12 s -> 4.4 s.
 INSTALLER ?= uv
 
 .PHONY: setup demo test lint clean-venv
@@ -25,7 +29,7 @@ $(STAMP): pyproject.toml
 	@start=$$(date +%s); \
 	if [ "$(INSTALLER)" = uv ] && $(BIN)/pip install -q --disable-pip-version-check uv >/dev/null 2>&1; then \
 	  echo "setup: installing with uv"; \
-	  VIRTUAL_ENV=$(VENV) $(BIN)/uv pip install -q $${PIP_FIND_LINKS:+--find-links $$PIP_FIND_LINKS} -e ".[cpu,test]" || exit 1; \
+	  VIRTUAL_ENV=$(VENV) $(BIN)/uv pip install -q --compile-bytecode $${PIP_FIND_LINKS:+--find-links $$PIP_FIND_LINKS} -e ".[cpu,test]" || exit 1; \
 	else \
 	  echo "setup: installing with pip (about 5 minutes)"; \
 	  $(BIN)/pip install -q --disable-pip-version-check -e ".[cpu,test]" || exit 1; \
