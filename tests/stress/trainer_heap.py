@@ -9,7 +9,13 @@ Run it under glibc's heap checker, which the spawned ranks inherit:
       PYTHONFAULTHANDLER=1 .venv/bin/python tests/stress/trainer_heap.py --rounds 500
 
 A rank that aborts takes the run down with its exit code (-6 for SIGABRT) and faulthandler's stacks on
-stderr. Under valgrind's memcheck, which flags a stray write where it happens rather than when glibc next
+stderr. Under tests/stress/quarantine_malloc.c, which reports a write into a freed chunk wherever it lands
+(into $QM_DIR) and does not abort:
+
+    gcc -O2 -fno-builtin -fPIC -shared -o /tmp/qm.so tests/stress/quarantine_malloc.c -lpthread
+    LD_PRELOAD=/tmp/qm.so QM_DIR=/tmp/qm .venv/bin/python tests/stress/trainer_heap.py --rounds 200
+
+Under valgrind's memcheck, which flags a stray write where it happens rather than when glibc next
 trips over it (about 13 minutes for 4 rounds of 8 samples a rank on the 2-core machine; the loader's own
 strncmp over-reads are its only reports on a clean run):
 

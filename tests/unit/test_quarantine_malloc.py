@@ -1,0 +1,68 @@
+"""tests/stress/quarantine_malloc.c, the heap checker of the stress loops: built with gcc and preloaded into a
+real Python process, it reports a write into a freed chunk (with the bytes written) and a write past a
+chunk's end, and nothing for a clean process."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SOURCE = Path(__file__).resolve().parents[1] / "stress" / "quarantine_malloc.c"
+
+# A chunk of `size` bytes from libc's malloc (the preloaded one), freed or not, then 4 bytes of 0x41 written
+# at `offset`.
+WRITE = """
+import ctypes, sys
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+size, offset, free_first = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+p = libc.malloc(size)
+if free_first:
+    libc.free(p)
+ctypes.memset(p + offset, 0x41, 4)
+if not free_first:
+    libc.free(p)
+"""
+
+
+@pytest.fixture(scope="module")
+def preload(tmp_path_factory) -> Path:
+    gcc = shutil.which("gcc")
+    assert gcc, "gcc is needed to build tests/stress/quarantine_malloc.c"
+    out = tmp_path_factory.mktemp("qm") / "quarantine_malloc.so"
+    subprocess.run(
+        [gcc, "-O2", "-fno-builtin", "-fPIC", "-shared", "-o", str(out), str(SOURCE), "-lpthread"], check=True
+    )
+    return out
+
+
+def _run(preload: Path, reports: Path, *args: str) -> list[str]:
+    env = {"LD_PRELOAD": str(preload), "QM_DIR": str(reports), "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-c", WRITE, *args], env=env, check=True, capture_output=True)
+    return [p.read_text() for p in sorted(reports.glob("*.log"))]
+
+
+def test_a_write_after_free_is_reported_with_its_bytes(preload, tmp_path):
+    (text,) = _run(preload, tmp_path, "48", "8", "1")
+    assert "write after free" in text and "of 48 bytes" in text
+    first = next(line for line in text.splitlines() if line.startswith("bytes"))
+    assert first.split(":")[1].split()[6:14] == ["a5", "a5", "41", "41", "41", "41", "a5", "a5"]
+    assert "freed at:" in text
+
+
+def test_a_write_past_the_end_is_reported_at_free(preload, tmp_path):
+    (text,) = _run(preload, tmp_path, "40", "40", "0")
+    assert "write past the chunk's end" in text
+    canary = next(line for line in text.splitlines() if line.startswith("canary")).split()[1:]
+    assert canary[:6] == ["41", "41", "41", "41", "c3", "c3"]
+
+
+def test_a_clean_process_has_no_report_and_counts_its_quarantine(preload, tmp_path):
+    assert _run(preload, tmp_path, "48", "0", "0") == []
+    (stats,) = [p.read_text() for p in (tmp_path / "stats").iterdir()]
+    assert "reports 0" in stats and int(stats.split()[1]) > 0  # chunks went through the quarantine
