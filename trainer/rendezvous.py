@@ -6,12 +6,44 @@ transformers first."""
 
 from __future__ import annotations
 
+import secrets
 import socket
+from pathlib import Path
 
 import ray
 
+# Below the kernel's range for the local ports of outgoing connections (32768-60999 by default) and above
+# Ray's worker ports (10002-19999): a port taken from bind(0) lies in the kernel's range, where any
+# connection opened before rank 0 binds it can take it (EADDRINUSE at the rendezvous).
+PORT_RANGE = (20000, 32768)
+
+
+def _outgoing_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
 
 def free_port() -> int:
+    """A port free on this machine now, outside the range the kernel hands outgoing connections (drawn with
+    `secrets`, so no seeded random stream moves); bind(0)'s choice where that range leaves none."""
+    low, high = _outgoing_range()
+    candidates = [p for p in range(*PORT_RANGE) if not low <= p <= high]
+    for _ in range(64 if candidates else 0):
+        port = candidates[secrets.randbelow(len(candidates))]
+        if _bindable(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
