@@ -26,13 +26,14 @@ def _outgoing_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def _bindable(port: int) -> bool:
+def _bound(port: int) -> int | None:
+    """The port a socket bound to `port` gets (0: the kernel's choice), None where it is taken."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("", port))
         except OSError:
-            return False
-    return True
+            return None
+        return s.getsockname()[1]
 
 
 def free_port() -> int:
@@ -41,12 +42,13 @@ def free_port() -> int:
     low, high = _outgoing_range()
     candidates = [p for p in range(*PORT_RANGE) if not low <= p <= high]
     for _ in range(64 if candidates else 0):
-        port = candidates[secrets.randbelow(len(candidates))]
-        if _bindable(port):
+        port = _bound(candidates[secrets.randbelow(len(candidates))])
+        if port is not None:
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    port = _bound(0)
+    if port is None:
+        raise OSError("free_port: no TCP port can be bound on this machine")
+    return port
 
 
 def node_address() -> tuple[str, str]:

@@ -12,8 +12,6 @@ recomputation is held to the same tolerance, and must save less for backward tha
 default split), counted by saved-tensor hooks around the forward (AOTAutograd saves through
 save_for_backward, which they see)."""
 
-import socket
-
 import pytest
 import torch
 import torch._functorch.config as functorch_config
@@ -25,6 +23,7 @@ from rl.models.tiny import make_tiny
 from trainer.lora import apply_lora
 from trainer.lora_experts import GroupedLoraExperts
 from trainer.parallelize import parallelize
+from trainer.rendezvous import free_port
 from trainer.routing_replay import RoutingReplay
 from trainer.spec import LoraSpec
 
@@ -49,10 +48,7 @@ def grouped_on_cpu():
 def mesh():
     if dist.is_initialized():
         pytest.fail("a process group is already up in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield init_device_mesh("cpu", (1,))
     dist.destroy_process_group()
 

@@ -10,22 +10,16 @@ packed base is <= 0.3x the BF16 twin's bytes (trainer/base_bytes, reported once)
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from trainer.rendezvous import free_port
 from trainer.spec import LoraSpec, TrainerSpec
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spec(path: str, fmt: str, dtype: str = "float32") -> TrainerSpec:
@@ -99,7 +93,7 @@ def results(request, tmp_path_factory):
     nvfp4 = quantize(make_tiny(request.param), root / "nvfp4")
     mp.spawn(
         _rank_main,
-        args=(2, _free_port(), str(nvfp4), str(root / "cache"), str(root)),
+        args=(2, free_port(), str(nvfp4), str(root / "cache"), str(root)),
         nprocs=2,
         join=True,
     )

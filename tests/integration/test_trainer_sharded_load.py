@@ -5,20 +5,14 @@ its rows of the checkpoint, and the sharded model holds exactly the weights tran
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from trainer.rendezvous import free_port
 from trainer.spec import LoraSpec
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _lora(model) -> LoraSpec:
@@ -67,7 +61,7 @@ def _rank_main(rank, world, port, path, activation_checkpointing, out_dir):
 def _run(world, path, tmp_path, activation_checkpointing=False):
     mp.spawn(
         _rank_main,
-        args=(world, _free_port(), str(path), activation_checkpointing, str(tmp_path)),
+        args=(world, free_port(), str(path), activation_checkpointing, str(tmp_path)),
         nprocs=world,
         join=True,
     )

@@ -28,7 +28,6 @@ Not collected by pytest.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from pathlib import Path
@@ -75,9 +74,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--samples", type=int, default=32, help="samples per rank per round")
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from trainer.rendezvous import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, 2, port, args.rounds, args.samples)) for r in range(2)]
     for proc in procs:
