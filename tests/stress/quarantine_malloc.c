@@ -4,9 +4,14 @@
 // Every allocation gets a 16-byte header (requested size, offset to glibc's chunk, a magic) and a 16-byte
 // canary after its last byte. A freed chunk of at most QMAX bytes (glibc's tcache and fastbin sizes, where
 // "unaligned tcache/fastbin chunk" aborts come from) is filled with FILL and held back in a FIFO quarantine
-// of QCAP chunks, with the return address of its free (or QM_FRAMES frames of stack). A chunk is checked
-// when it leaves the quarantine, by a thread that scans the whole quarantine every 2 s, and at exit: any
-// changed byte (content, header or canary) is a write after free. The canary is checked at every free.
+// of QM_CAP chunks (QM_BYTES bytes at most), with the return address of its free (or QM_FRAMES frames of
+// stack). A chunk is checked when it leaves the quarantine, by a thread that scans the whole quarantine
+// every QM_SCAN_S seconds, and at exit: any changed byte (content, header or canary) is a write after free.
+// The canary is checked at every free. A process whose command line comes to contain QM_BIG_MATCH (Ray
+// retitles a worker `ray::<ActorClass>` once it hosts an actor: QM_BIG_MATCH=TrainerWorker) grows its
+// quarantine to QM_BIG_CAP chunks and QM_BIG_BYTES bytes: minutes of its frees instead of seconds, for
+// writes that land long after the free, without that memory in every other process; QM_BIG_FRAMES sets
+// its frames of stack kept at each free.
 // Each report (the process, the chunk's size and bytes, where it was freed, where it was found) goes to
 // stderr and to <QM_DIR>/<pid>.log; <QM_DIR>/stats/<pid> counts what each process quarantined and checked.
 // Glibc's own malloc does the allocating (glibc's `__libc_*` entry points); this file only wraps it.
@@ -40,8 +45,8 @@ extern void *__libc_memalign(size_t, size_t);
 #define FILL 0xA5
 #define CANARY 0xC3
 #define QMAX 1040           // the largest tcache chunk's user size, rounded up
-#define QCAP (1u << 18)     // chunks held back
-#define QBYTES (96u << 20)  // and at most this many bytes of them
+#define QCAP (1u << 18)     // chunks held back (QM_CAP)
+#define QBYTES (96u << 20)  // and at most this many bytes of them (QM_BYTES)
 #define NFRAMES 12
 
 struct hdr {
@@ -58,8 +63,11 @@ struct entry {
 };
 
 static struct entry *ring;
-static uint32_t head, count;
-static uint64_t qbytes, quarantined, evicted, scans, reports;
+static uint32_t head, count, cap = QCAP, big_cap;
+static uint64_t qbytes, max_bytes = QBYTES, big_bytes, quarantined, evicted, scans, reports;
+static unsigned scan_s = 2;
+static int big_frames = -1;
+static char big_match[64];
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static __thread int in_backtrace;
 static int ready, frames;
@@ -128,7 +136,7 @@ static int intact(const struct entry *e) {
 }
 
 static void evict_oldest(void) {
-    struct entry *e = &ring[(head + QCAP - count) % QCAP];
+    struct entry *e = &ring[(head + cap - count) % cap];
     count--;
     qbytes -= e->n;
     evicted++;
@@ -145,15 +153,16 @@ static void scan(const char *what) {
     char path[256], buf[200];
     pthread_mutex_lock(&lock);
     for (uint32_t i = 0; i < count; i++) {
-        struct entry *e = &ring[(head + QCAP - count + i) % QCAP];
+        struct entry *e = &ring[(head + cap - count + i) % cap];
         if (!e->reported && !intact(e)) {
             report(what, e->user, e->n, e->stack);
             e->reported = 1;
         }
     }
     scans++;
-    int len = snprintf(buf, sizeof buf, "quarantined %lu evicted %lu held %u (%lu bytes) scans %lu reports %lu\n",
-                       (unsigned long)quarantined, (unsigned long)evicted, count, (unsigned long)qbytes,
+    int len = snprintf(buf, sizeof buf,
+                       "quarantined %lu evicted %lu held %u (%lu bytes) of %u scans %lu reports %lu\n",
+                       (unsigned long)quarantined, (unsigned long)evicted, count, (unsigned long)qbytes, cap,
                        (unsigned long)scans, (unsigned long)reports);
     pthread_mutex_unlock(&lock);
     snprintf(path, sizeof path, "%s/stats/%d", dir, (int)getpid());
@@ -164,10 +173,37 @@ static void scan(const char *what) {
     }
 }
 
+// Once the command line contains QM_BIG_MATCH: the held chunks, oldest first, into a ring of QM_BIG_CAP.
+static void grow_if_matched(void) {
+    if (!big_match[0] || big_cap <= cap) return;
+    char cmd[512] = {0};
+    int fd = open("/proc/self/cmdline", O_RDONLY);
+    if (fd < 0) return;
+    ssize_t r = read(fd, cmd, sizeof cmd - 1);
+    close(fd);
+    for (ssize_t i = 0; i < r; i++) cmd[i] = cmd[i] ? cmd[i] : ' ';
+    if (!strstr(cmd, big_match)) return;
+    struct entry *bigger = mmap(NULL, sizeof(struct entry) * big_cap, PROT_READ | PROT_WRITE,
+                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (bigger == MAP_FAILED) return;
+    pthread_mutex_lock(&lock);
+    for (uint32_t i = 0; i < count; i++) bigger[i] = ring[(head + cap - count + i) % cap];
+    struct entry *old = ring;
+    uint32_t old_cap = cap;
+    ring = bigger;
+    head = count % big_cap;
+    cap = big_cap;
+    max_bytes = big_bytes;
+    if (big_frames >= 0) frames = big_frames;
+    pthread_mutex_unlock(&lock);
+    munmap(old, sizeof(struct entry) * old_cap);
+}
+
 static void *scanner(void *arg) {
     (void)arg;
     for (;;) {
-        sleep(2);
+        sleep(scan_s);
+        grow_if_matched();
         scan("write after free (periodic scan)");
     }
     return NULL;
@@ -197,11 +233,19 @@ __attribute__((constructor)) static void init(void) {
     const char *f = getenv("QM_FRAMES");
     frames = f ? atoi(f) : 0;
     frames = frames < 0 ? 0 : (frames > NFRAMES ? NFRAMES : frames);
+    const char *v;
+    if ((v = getenv("QM_CAP")) && atol(v) > 0) cap = (uint32_t)atol(v);
+    if ((v = getenv("QM_BYTES")) && atol(v) > 0) max_bytes = (uint64_t)atol(v);
+    if ((v = getenv("QM_SCAN_S")) && atoi(v) > 0) scan_s = (unsigned)atoi(v);
+    if ((v = getenv("QM_BIG_MATCH"))) snprintf(big_match, sizeof big_match, "%s", v);
+    big_cap = (v = getenv("QM_BIG_CAP")) && atol(v) > 0 ? (uint32_t)atol(v) : 16 * cap;
+    big_bytes = (v = getenv("QM_BIG_BYTES")) && atol(v) > 0 ? (uint64_t)atol(v) : 16 * max_bytes;
+    if ((v = getenv("QM_BIG_FRAMES"))) big_frames = atoi(v) < 0 ? 0 : (atoi(v) > NFRAMES ? NFRAMES : atoi(v));
     char stats[256];
     snprintf(stats, sizeof stats, "%s/stats", dir);
     mkdir(dir, 0777);
     mkdir(stats, 0777);
-    ring = mmap(NULL, sizeof(struct entry) * QCAP, PROT_READ | PROT_WRITE,
+    ring = mmap(NULL, sizeof(struct entry) * cap, PROT_READ | PROT_WRITE,
                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (ring == MAP_FAILED) return;  // no quarantine: chunks are freed at once, canaries still checked
     void *warm[2];
@@ -282,9 +326,9 @@ void free(void *p) {
     memset(user, FILL, n);
     h->magic = DEAD;
     pthread_mutex_lock(&lock);
-    while (count == QCAP || (count && qbytes + n > QBYTES)) evict_oldest();
+    while (count == cap || (count && qbytes + n > max_bytes)) evict_oldest();
     ring[head] = e;
-    head = (head + 1) % QCAP;
+    head = (head + 1) % cap;
     count++;
     qbytes += n;
     quarantined++;

@@ -66,3 +66,39 @@ def test_a_clean_process_has_no_report_and_counts_its_quarantine(preload, tmp_pa
     assert _run(preload, tmp_path, "48", "0", "0") == []
     (stats,) = [p.read_text() for p in (tmp_path / "stats").iterdir()]
     assert "reports 0" in stats and int(stats.split()[1]) > 0  # chunks went through the quarantine
+
+
+# Frees one 48-byte chunk, then 5000 others (past a quarantine of 64), then writes into the first: caught
+# only where the quarantine grew when the process's command line matched QM_BIG_MATCH (its last argument).
+LATE_WRITE = """
+import ctypes, time
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+time.sleep(2.5)  # the scanner, every QM_SCAN_S=1 s, reads the command line and grows the quarantine
+p = libc.malloc(48)
+libc.free(p)
+others = [libc.malloc(32) for _ in range(5000)]
+for q in others:
+    libc.free(q)
+ctypes.memset(p + 8, 0x41, 4)
+"""
+
+
+def test_a_matching_process_grows_its_quarantine_and_catches_a_late_write(preload, tmp_path):
+    env = {
+        "LD_PRELOAD": str(preload),
+        "QM_DIR": str(tmp_path),
+        "PATH": "/usr/bin:/bin",
+        "QM_CAP": "64",
+        "QM_SCAN_S": "1",
+        "QM_BIG_MATCH": "qm-grow-token",
+        "QM_BIG_CAP": "100000",
+    }
+    subprocess.run(
+        [sys.executable, "-c", LATE_WRITE, "qm-grow-token"], env=env, check=True, capture_output=True
+    )
+    (stats,) = [p.read_text() for p in (tmp_path / "stats").iterdir()]
+    assert " of 100000 " in stats, stats
+    (text,) = [p.read_text() for p in tmp_path.glob("*.log")]
+    assert "write after free" in text and "of 48 bytes" in text
