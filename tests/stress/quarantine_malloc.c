@@ -2,16 +2,18 @@
 // next trips over a corrupted free list, and overflows past a chunk's end.
 //
 // Every allocation gets a 16-byte header (requested size, offset to glibc's chunk, a magic) and a 16-byte
-// canary after its last byte. A freed chunk of at most QMAX bytes (glibc's tcache and fastbin sizes, where
-// "unaligned tcache/fastbin chunk" aborts come from) is filled with FILL and held back in a FIFO quarantine
-// of QM_CAP chunks (QM_BYTES bytes at most), with the return address of its free (or QM_FRAMES frames of
-// stack). A chunk is checked when it leaves the quarantine, by a thread that scans the whole quarantine
-// every QM_SCAN_S seconds, and at exit: any changed byte (content, header or canary) is a write after free.
+// canary after its last byte. A freed chunk of at most QM_MAX_SIZE bytes (by default QMAX: glibc's tcache
+// and fastbin sizes, where "unaligned tcache/fastbin chunk" aborts come from) is filled with FILL and held
+// back in a FIFO quarantine of QM_CAP chunks (QM_BYTES bytes at most), with the return address of its free
+// (or QM_FRAMES frames of stack). A chunk is checked when it leaves the quarantine, by a thread that scans
+// the whole quarantine every QM_SCAN_S seconds, and at exit: any changed byte (content, header or canary)
+// is a write after free.
 // The canary is checked at every free. A process whose command line comes to contain QM_BIG_MATCH (Ray
 // retitles a worker `ray::<ActorClass>` once it hosts an actor: QM_BIG_MATCH=TrainerWorker) grows its
 // quarantine to QM_BIG_CAP chunks and QM_BIG_BYTES bytes: minutes of its frees instead of seconds, for
 // writes that land long after the free, without that memory in every other process; QM_BIG_FRAMES sets
-// its frames of stack kept at each free.
+// its frames of stack kept at each free and QM_BIG_MAX_SIZE the largest chunk it holds (a write into a
+// freed large buffer lands, once glibc reuses the memory, on whatever small chunks are carved from it).
 // Each report (the process, the chunk's size and bytes, where it was freed, where it was found) goes to
 // stderr and to <QM_DIR>/<pid>.log; <QM_DIR>/stats/<pid> counts what each process quarantined and checked.
 // Glibc's own malloc does the allocating (glibc's `__libc_*` entry points); this file only wraps it.
@@ -44,7 +46,7 @@ extern void *__libc_memalign(size_t, size_t);
 #define DEAD 0xDEADF4EEu
 #define FILL 0xA5
 #define CANARY 0xC3
-#define QMAX 1040           // the largest tcache chunk's user size, rounded up
+#define QMAX 1040           // the largest tcache chunk's user size, rounded up (QM_MAX_SIZE)
 #define QCAP (1u << 18)     // chunks held back (QM_CAP)
 #define QBYTES (96u << 20)  // and at most this many bytes of them (QM_BYTES)
 #define NFRAMES 12
@@ -64,6 +66,7 @@ struct entry {
 
 static struct entry *ring;
 static uint32_t head, count, cap = QCAP, big_cap;
+static uint64_t max_size = QMAX, big_max_size;
 static uint64_t qbytes, max_bytes = QBYTES, big_bytes, quarantined, evicted, scans, reports;
 static unsigned scan_s = 2;
 static int big_frames = -1;
@@ -195,6 +198,7 @@ static void grow_if_matched(void) {
     cap = big_cap;
     max_bytes = big_bytes;
     if (big_frames >= 0) frames = big_frames;
+    max_size = big_max_size;
     pthread_mutex_unlock(&lock);
     munmap(old, sizeof(struct entry) * old_cap);
 }
@@ -237,6 +241,8 @@ __attribute__((constructor)) static void init(void) {
     if ((v = getenv("QM_CAP")) && atol(v) > 0) cap = (uint32_t)atol(v);
     if ((v = getenv("QM_BYTES")) && atol(v) > 0) max_bytes = (uint64_t)atol(v);
     if ((v = getenv("QM_SCAN_S")) && atoi(v) > 0) scan_s = (unsigned)atoi(v);
+    if ((v = getenv("QM_MAX_SIZE")) && atol(v) > 0) max_size = (uint64_t)atol(v);
+    big_max_size = (v = getenv("QM_BIG_MAX_SIZE")) && atol(v) > 0 ? (uint64_t)atol(v) : max_size;
     if ((v = getenv("QM_BIG_MATCH"))) snprintf(big_match, sizeof big_match, "%s", v);
     big_cap = (v = getenv("QM_BIG_CAP")) && atol(v) > 0 ? (uint32_t)atol(v) : 16 * cap;
     big_bytes = (v = getenv("QM_BIG_BYTES")) && atol(v) > 0 ? (uint64_t)atol(v) : 16 * max_bytes;
@@ -311,7 +317,7 @@ void free(void *p) {
             report("write past the chunk's end (found at its free)", user, n, NULL);
             return;
         }
-    if (!ready || n > QMAX || in_backtrace) {
+    if (!ready || n > max_size || in_backtrace) {
         h->magic = 0;
         __libc_free(user - h->off);
         return;

@@ -68,15 +68,15 @@ def test_a_clean_process_has_no_report_and_counts_its_quarantine(preload, tmp_pa
     assert "reports 0" in stats and int(stats.split()[1]) > 0  # chunks went through the quarantine
 
 
-# Frees one 48-byte chunk, then 5000 others (past a quarantine of 64), then writes into the first: caught
-# only where the quarantine grew when the process's command line matched QM_BIG_MATCH (its last argument).
+# Frees a chunk of argv[1] bytes, then 5000 others (past a quarantine of 64), then writes into the first:
+# caught only where the quarantine grew when the process's command line matched QM_BIG_MATCH (argv[2]).
 LATE_WRITE = """
-import ctypes, time
+import ctypes, sys, time
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 time.sleep(2.5)  # the scanner, every QM_SCAN_S=1 s, reads the command line and grows the quarantine
-p = libc.malloc(48)
+p = libc.malloc(int(sys.argv[1]))
 libc.free(p)
 others = [libc.malloc(32) for _ in range(5000)]
 for q in others:
@@ -85,7 +85,8 @@ ctypes.memset(p + 8, 0x41, 4)
 """
 
 
-def test_a_matching_process_grows_its_quarantine_and_catches_a_late_write(preload, tmp_path):
+@pytest.mark.parametrize("size", [48, 300_000])  # a tcache-sized chunk; one glibc would have mmapped
+def test_a_matching_process_grows_its_quarantine_and_catches_a_late_write(preload, tmp_path, size):
     env = {
         "LD_PRELOAD": str(preload),
         "QM_DIR": str(tmp_path),
@@ -94,11 +95,15 @@ def test_a_matching_process_grows_its_quarantine_and_catches_a_late_write(preloa
         "QM_SCAN_S": "1",
         "QM_BIG_MATCH": "qm-grow-token",
         "QM_BIG_CAP": "100000",
+        "QM_BIG_MAX_SIZE": "1000000",
     }
     subprocess.run(
-        [sys.executable, "-c", LATE_WRITE, "qm-grow-token"], env=env, check=True, capture_output=True
+        [sys.executable, "-c", LATE_WRITE, str(size), "qm-grow-token"],
+        env=env,
+        check=True,
+        capture_output=True,
     )
     (stats,) = [p.read_text() for p in (tmp_path / "stats").iterdir()]
     assert " of 100000 " in stats, stats
     (text,) = [p.read_text() for p in tmp_path.glob("*.log")]
-    assert "write after free" in text and "of 48 bytes" in text
+    assert "write after free" in text and f"of {size} bytes" in text
