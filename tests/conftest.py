@@ -42,6 +42,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _environment_of_the_session():
+    """Each test file ends with the environment variables it started with. Building a vLLM engine config
+    sets about a dozen in the process that builds it (LD_PRELOAD of torch's libgomp, LD_LIBRARY_PATH,
+    VLLM_WORKER_MULTIPROC_METHOD, ...), and every process started afterwards inherits them: a later file's
+    Ray cluster, and so its trainer ranks, ran with torch's libgomp preloaded or not depending on which file
+    the same xdist worker had run before."""
+    before = dict(os.environ)
+    yield
+    for key in [k for k in os.environ if k not in before]:
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def tiny_moe_path():
     from rl.models.tiny import make_tiny
