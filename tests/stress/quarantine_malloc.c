@@ -44,6 +44,7 @@ extern void *__libc_memalign(size_t, size_t);
 #define TRL 16
 #define LIVE 0x51A7C0DEu
 #define DEAD 0xDEADF4EEu
+#define FREEING 0xF4EE1A6Eu  // claimed by a free still running (a second free meanwhile: a concurrent one)
 #define FILL 0xA5
 #define CANARY 0xC3
 #define QMAX 1040           // the largest tcache chunk's user size, rounded up (QM_MAX_SIZE)
@@ -303,12 +304,18 @@ void free(void *p) {
     if (!p) return;
     unsigned char *user = p;
     struct hdr *h = (struct hdr *)(user - HDR);
-    if (h->magic == DEAD) {
-        report("double free (the chunk is in quarantine)", user, h->n, NULL);
-        return;
-    }
-    if (h->magic != LIVE) {
-        report("free of a pointer this allocator did not return (or its header was overwritten)", user, 0, NULL);
+    // Claimed atomically: two threads freeing one chunk at once (a refcount race) both pass a plain check,
+    // and glibc, whose tcache double-free check looks only at the freeing thread's own cache, puts the chunk
+    // in both threads' caches: the next malloc hands it out while the other cache still links it.
+    uint32_t seen = LIVE;
+    if (!__atomic_compare_exchange_n(&h->magic, &seen, FREEING, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        if (seen == DEAD)
+            report("double free (the chunk is in quarantine)", user, h->n, NULL);
+        else if (seen == FREEING)
+            report("double free, concurrent: another thread is freeing the chunk now", user, h->n, NULL);
+        else
+            report("free of a pointer this allocator did not return (or its header was overwritten)", user, 0,
+                   NULL);
         return;
     }
     uint64_t n = h->n;
@@ -330,7 +337,7 @@ void free(void *p) {
         in_backtrace = 0;
     }
     memset(user, FILL, n);
-    h->magic = DEAD;
+    __atomic_store_n(&h->magic, DEAD, __ATOMIC_RELEASE);
     pthread_mutex_lock(&lock);
     while (count == cap || (count && qbytes + n > max_bytes)) evict_oldest();
     ring[head] = e;

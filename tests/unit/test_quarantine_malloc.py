@@ -14,18 +14,22 @@ import pytest
 SOURCE = Path(__file__).resolve().parents[1] / "stress" / "quarantine_malloc.c"
 
 # A chunk of `size` bytes from libc's malloc (the preloaded one), freed or not, then 4 bytes of 0x41 written
-# at `offset`.
+# at `offset`; mode 2: freed twice instead.
 WRITE = """
 import ctypes, sys
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
-size, offset, free_first = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+size, offset, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 p = libc.malloc(size)
-if free_first:
+if mode == "2":
+    libc.free(p)
+    libc.free(p)
+    sys.exit()
+if mode == "1":
     libc.free(p)
 ctypes.memset(p + offset, 0x41, 4)
-if not free_first:
+if mode == "0":
     libc.free(p)
 """
 
@@ -60,6 +64,11 @@ def test_a_write_past_the_end_is_reported_at_free(preload, tmp_path):
     assert "write past the chunk's end" in text
     canary = next(line for line in text.splitlines() if line.startswith("canary")).split()[1:]
     assert canary[:6] == ["41", "41", "41", "41", "c3", "c3"]
+
+
+def test_a_double_free_is_reported(preload, tmp_path):
+    (text,) = _run(preload, tmp_path, "64", "0", "2")
+    assert "double free (the chunk is in quarantine)" in text and "of 64 bytes" in text
 
 
 def test_a_clean_process_has_no_report_and_counts_its_quarantine(preload, tmp_path):
