@@ -21,7 +21,8 @@ case "${CHECKER:-quarantine}" in
     gcc -O2 -fno-builtin -fPIC -shared -o "$log/quarantine_malloc.so" tests/stress/quarantine_malloc.c -lpthread \
       || { echo "gcc could not build tests/stress/quarantine_malloc.c"; exit 2; }
     export LD_PRELOAD="$log/quarantine_malloc.so" QM_DIR="$log/reports" QM_SCAN_S=5 \
-      QM_BIG_MATCH=TrainerWorker QM_BIG_CAP=2097152 QM_BIG_BYTES=419430400 QM_BIG_FRAMES=6 QM_BIG_MAX_SIZE=4194304 ;;
+      QM_BIG_MATCH=TrainerWorker QM_BIG_CAP=2097152 QM_BIG_BYTES=419430400 QM_BIG_LARGE_BYTES=268435456 \
+      QM_BIG_FRAMES=6 QM_BIG_MAX_SIZE=4194304 ;;
   glibc)
     debug_malloc=$(ls /lib/*/libc_malloc_debug.so.0 /usr/lib/*/libc_malloc_debug.so.0 2>/dev/null | head -1)
     [ -n "$debug_malloc" ] || { echo "libc_malloc_debug.so.0 not found (glibc >= 2.34 ships it)"; exit 2; }

@@ -4,16 +4,18 @@
 // Every allocation gets a 16-byte header (requested size, offset to glibc's chunk, a magic) and a 16-byte
 // canary after its last byte. A freed chunk of at most QM_MAX_SIZE bytes (by default QMAX: glibc's tcache
 // and fastbin sizes, where "unaligned tcache/fastbin chunk" aborts come from) is filled with FILL and held
-// back in a FIFO quarantine of QM_CAP chunks (QM_BYTES bytes at most), with the return address of its free
-// (or QM_FRAMES frames of stack). A chunk is checked when it leaves the quarantine, by a thread that scans
-// the whole quarantine every QM_SCAN_S seconds, and at exit: any changed byte (content, header or canary)
-// is a write after free.
-// The canary is checked at every free. A process whose command line comes to contain QM_BIG_MATCH (Ray
-// retitles a worker `ray::<ActorClass>` once it hosts an actor: QM_BIG_MATCH=TrainerWorker) grows its
-// quarantine to QM_BIG_CAP chunks and QM_BIG_BYTES bytes: minutes of its frees instead of seconds, for
-// writes that land long after the free, without that memory in every other process; QM_BIG_FRAMES sets
-// its frames of stack kept at each free and QM_BIG_MAX_SIZE the largest chunk it holds (a write into a
-// freed large buffer lands, once glibc reuses the memory, on whatever small chunks are carved from it).
+// back in a FIFO quarantine of QM_CAP chunks and QM_BYTES bytes (chunks over QMAX in a FIFO of their own,
+// QM_LARGE_BYTES), with the return address of its free (or QM_FRAMES frames of stack). A chunk is checked
+// when it leaves the quarantine, by a thread that scans the whole quarantine every QM_SCAN_S seconds, and
+// at exit: any changed byte (content, header or canary) is a write after free. The canary is checked at
+// every free; free claims a chunk atomically, so a second free, concurrent or not, is reported.
+//
+// A process whose command line comes to contain QM_BIG_MATCH (Ray retitles a worker `ray::<ActorClass>`
+// once it hosts an actor: QM_BIG_MATCH=TrainerWorker) grows its quarantine to QM_BIG_CAP chunks and
+// QM_BIG_BYTES bytes (QM_BIG_LARGE_BYTES over QMAX), holds chunks up to QM_BIG_MAX_SIZE bytes and keeps
+// QM_BIG_FRAMES frames a free: minutes of its frees instead of seconds, for writes that land long after the
+// free, without that memory in every other process. (A write into a freed large buffer lands, once glibc
+// reuses the memory, on whatever small chunks are carved from it.)
 // Each report (the process, the chunk's size and bytes, where it was freed, where it was found) goes to
 // stderr and to <QM_DIR>/<pid>.log; <QM_DIR>/stats/<pid> counts what each process quarantined and checked.
 // Glibc's own malloc does the allocating (glibc's `__libc_*` entry points); this file only wraps it.
@@ -65,10 +67,20 @@ struct entry {
     void *stack[NFRAMES];
 };
 
-static struct entry *ring;
-static uint32_t head, count, cap = QCAP, big_cap;
-static uint64_t max_size = QMAX, big_max_size;
-static uint64_t qbytes, max_bytes = QBYTES, big_bytes, quarantined, evicted, scans, reports;
+// A FIFO of freed chunks. Chunks over QMAX have one of their own, so that a few large buffers do not push the
+// small chunks (where glibc's free-list aborts come from) out of the byte budget.
+struct fifo {
+    struct entry *ring;
+    uint32_t head, count, cap;
+    uint64_t bytes, max_bytes;
+};
+#define LARGE_CAP (1u << 16)
+
+static struct fifo small = {.cap = QCAP, .max_bytes = QBYTES};
+static struct fifo large = {.cap = LARGE_CAP, .max_bytes = QBYTES};
+static uint32_t big_cap;
+static uint64_t max_size = QMAX, big_max_size, big_bytes, big_large_bytes;
+static uint64_t quarantined, evicted, scans, reports;
 static unsigned scan_s = 2;
 static int big_frames = -1;
 static char big_match[64];
@@ -107,8 +119,9 @@ static void report(const char *what, unsigned char *user, uint64_t n, void *cons
         close(fd);
         for (ssize_t i = 0; i < r; i++) cmd[i] = cmd[i] ? cmd[i] : ' ';
     }
-    int len = snprintf(buf, sizeof buf, "\n=== quarantine_malloc: %s: pid %d (%s) at %ld, chunk %p of %lu bytes\n",
-                       what, (int)getpid(), cmd, (long)time(NULL), (void *)user, (unsigned long)n);
+    int len = snprintf(buf, sizeof buf,
+                       "\n=== quarantine_malloc: %s: pid %d (%s) at %ld, chunk %p of %lu bytes\n", what,
+                       (int)getpid(), cmd, (long)time(NULL), (void *)user, (unsigned long)n);
     len += hex(buf + len, sizeof buf - len, "header:", user - HDR, HDR);
     len += hex(buf + len, sizeof buf - len, "bytes (first 128):", user, n < 128 ? (long)n : 128);
     len += hex(buf + len, sizeof buf - len, "canary:", user + n, TRL);
@@ -139,10 +152,14 @@ static int intact(const struct entry *e) {
     return 1;
 }
 
-static void evict_oldest(void) {
-    struct entry *e = &ring[(head + cap - count) % cap];
-    count--;
-    qbytes -= e->n;
+static struct entry *nth(struct fifo *q, uint32_t i) {  // i = 0: the oldest
+    return &q->ring[(q->head + q->cap - q->count + i) % q->cap];
+}
+
+static void evict_oldest(struct fifo *q) {
+    struct entry *e = nth(q, 0);
+    q->count--;
+    q->bytes -= e->n;
     evicted++;
     if (!e->reported && !intact(e)) {
         report("write after free", e->user, e->n, e->stack);
@@ -156,17 +173,21 @@ static void evict_oldest(void) {
 static void scan(const char *what) {
     char path[256], buf[200];
     pthread_mutex_lock(&lock);
-    for (uint32_t i = 0; i < count; i++) {
-        struct entry *e = &ring[(head + cap - count + i) % cap];
-        if (!e->reported && !intact(e)) {
-            report(what, e->user, e->n, e->stack);
-            e->reported = 1;
+    struct fifo *both[2] = {&small, &large};
+    for (int k = 0; k < 2; k++)
+        for (uint32_t i = 0; i < both[k]->count; i++) {
+            struct entry *e = nth(both[k], i);
+            if (!e->reported && !intact(e)) {
+                report(what, e->user, e->n, e->stack);
+                e->reported = 1;
+            }
         }
-    }
     scans++;
     int len = snprintf(buf, sizeof buf,
-                       "quarantined %lu evicted %lu held %u (%lu bytes) of %u scans %lu reports %lu\n",
-                       (unsigned long)quarantined, (unsigned long)evicted, count, (unsigned long)qbytes, cap,
+                       "quarantined %lu evicted %lu held %u (%lu bytes) of %u, large %u (%lu bytes) "
+                       "scans %lu reports %lu\n",
+                       (unsigned long)quarantined, (unsigned long)evicted, small.count,
+                       (unsigned long)small.bytes, small.cap, large.count, (unsigned long)large.bytes,
                        (unsigned long)scans, (unsigned long)reports);
     pthread_mutex_unlock(&lock);
     snprintf(path, sizeof path, "%s/stats/%d", dir, (int)getpid());
@@ -179,7 +200,7 @@ static void scan(const char *what) {
 
 // Once the command line contains QM_BIG_MATCH: the held chunks, oldest first, into a ring of QM_BIG_CAP.
 static void grow_if_matched(void) {
-    if (!big_match[0] || big_cap <= cap) return;
+    if (!big_match[0] || big_cap <= small.cap) return;
     char cmd[512] = {0};
     int fd = open("/proc/self/cmdline", O_RDONLY);
     if (fd < 0) return;
@@ -191,13 +212,14 @@ static void grow_if_matched(void) {
                                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (bigger == MAP_FAILED) return;
     pthread_mutex_lock(&lock);
-    for (uint32_t i = 0; i < count; i++) bigger[i] = ring[(head + cap - count + i) % cap];
-    struct entry *old = ring;
-    uint32_t old_cap = cap;
-    ring = bigger;
-    head = count % big_cap;
-    cap = big_cap;
-    max_bytes = big_bytes;
+    for (uint32_t i = 0; i < small.count; i++) bigger[i] = *nth(&small, i);
+    struct entry *old = small.ring;
+    uint32_t old_cap = small.cap;
+    small.ring = bigger;
+    small.head = small.count % big_cap;
+    small.cap = big_cap;
+    small.max_bytes = big_bytes;
+    large.max_bytes = big_large_bytes;
     if (big_frames >= 0) frames = big_frames;
     max_size = big_max_size;
     pthread_mutex_unlock(&lock);
@@ -239,22 +261,27 @@ __attribute__((constructor)) static void init(void) {
     frames = f ? atoi(f) : 0;
     frames = frames < 0 ? 0 : (frames > NFRAMES ? NFRAMES : frames);
     const char *v;
-    if ((v = getenv("QM_CAP")) && atol(v) > 0) cap = (uint32_t)atol(v);
-    if ((v = getenv("QM_BYTES")) && atol(v) > 0) max_bytes = (uint64_t)atol(v);
+    if ((v = getenv("QM_CAP")) && atol(v) > 0) small.cap = (uint32_t)atol(v);
+    if ((v = getenv("QM_BYTES")) && atol(v) > 0) small.max_bytes = (uint64_t)atol(v);
+    if ((v = getenv("QM_LARGE_BYTES")) && atol(v) > 0) large.max_bytes = (uint64_t)atol(v);
     if ((v = getenv("QM_SCAN_S")) && atoi(v) > 0) scan_s = (unsigned)atoi(v);
     if ((v = getenv("QM_MAX_SIZE")) && atol(v) > 0) max_size = (uint64_t)atol(v);
     big_max_size = (v = getenv("QM_BIG_MAX_SIZE")) && atol(v) > 0 ? (uint64_t)atol(v) : max_size;
     if ((v = getenv("QM_BIG_MATCH"))) snprintf(big_match, sizeof big_match, "%s", v);
-    big_cap = (v = getenv("QM_BIG_CAP")) && atol(v) > 0 ? (uint32_t)atol(v) : 16 * cap;
-    big_bytes = (v = getenv("QM_BIG_BYTES")) && atol(v) > 0 ? (uint64_t)atol(v) : 16 * max_bytes;
+    big_cap = (v = getenv("QM_BIG_CAP")) && atol(v) > 0 ? (uint32_t)atol(v) : 16 * small.cap;
+    big_bytes = (v = getenv("QM_BIG_BYTES")) && atol(v) > 0 ? (uint64_t)atol(v) : 16 * small.max_bytes;
+    big_large_bytes = (v = getenv("QM_BIG_LARGE_BYTES")) && atol(v) > 0 ? (uint64_t)atol(v) : big_bytes;
     if ((v = getenv("QM_BIG_FRAMES"))) big_frames = atoi(v) < 0 ? 0 : (atoi(v) > NFRAMES ? NFRAMES : atoi(v));
     char stats[256];
     snprintf(stats, sizeof stats, "%s/stats", dir);
     mkdir(dir, 0777);
     mkdir(stats, 0777);
-    ring = mmap(NULL, sizeof(struct entry) * cap, PROT_READ | PROT_WRITE,
-                MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (ring == MAP_FAILED) return;  // no quarantine: chunks are freed at once, canaries still checked
+    small.ring = mmap(NULL, sizeof(struct entry) * small.cap, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    large.ring = mmap(NULL, sizeof(struct entry) * large.cap, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    // no quarantine: chunks are freed at once, canaries still checked
+    if (small.ring == MAP_FAILED || large.ring == MAP_FAILED) return;
     void *warm[2];
     in_backtrace = 1;
     backtrace(warm, 2);  // loads libgcc's unwinder (which allocates) now rather than inside a free
@@ -339,11 +366,12 @@ void free(void *p) {
     memset(user, FILL, n);
     __atomic_store_n(&h->magic, DEAD, __ATOMIC_RELEASE);
     pthread_mutex_lock(&lock);
-    while (count == cap || (count && qbytes + n > max_bytes)) evict_oldest();
-    ring[head] = e;
-    head = (head + 1) % cap;
-    count++;
-    qbytes += n;
+    struct fifo *q = n > QMAX ? &large : &small;
+    while (q->count == q->cap || (q->count && q->bytes + n > q->max_bytes)) evict_oldest(q);
+    q->ring[q->head] = e;
+    q->head = (q->head + 1) % q->cap;
+    q->count++;
+    q->bytes += n;
     quarantined++;
     pthread_mutex_unlock(&lock);
 }

@@ -113,6 +113,6 @@ def test_a_matching_process_grows_its_quarantine_and_catches_a_late_write(preloa
         capture_output=True,
     )
     (stats,) = [p.read_text() for p in (tmp_path / "stats").iterdir()]
-    assert " of 100000 " in stats, stats
+    assert " of 100000," in stats, stats
     (text,) = [p.read_text() for p in tmp_path.glob("*.log")]
     assert "write after free" in text and f"of {size} bytes" in text
