@@ -46,9 +46,9 @@ def pytest_collection_modifyitems(config, items):
 def _environment_of_the_session():
     """Each test file ends with the environment variables it started with. Building a vLLM engine config
     sets about a dozen in the process that builds it (LD_PRELOAD of torch's libgomp, LD_LIBRARY_PATH,
-    VLLM_WORKER_MULTIPROC_METHOD, ...), and every process started afterwards inherits them: a later file's
-    Ray cluster, and so its trainer ranks, ran with torch's libgomp preloaded or not depending on which file
-    the same xdist worker had run before."""
+    VLLM_WORKER_MULTIPROC_METHOD, ...), and every process started afterwards inherits them: without this, a
+    later file's Ray cluster, and so its trainer ranks, would run with torch's libgomp preloaded or not
+    depending on which file the same xdist worker ran before it."""
     before = dict(os.environ)
     yield
     for key in [k for k in os.environ if k not in before]:
