@@ -198,9 +198,11 @@ static void scan(const char *what) {
     }
 }
 
-// Once the command line contains QM_BIG_MATCH: the held chunks, oldest first, into a ring of QM_BIG_CAP.
+// Once the command line contains QM_BIG_MATCH: the QM_BIG_* settings, and the held chunks, oldest first, into
+// a ring of QM_BIG_CAP where that is larger.
 static void grow_if_matched(void) {
-    if (!big_match[0] || big_cap <= small.cap) return;
+    static int grown;
+    if (!big_match[0] || grown) return;
     char cmd[512] = {0};
     int fd = open("/proc/self/cmdline", O_RDONLY);
     if (fd < 0) return;
@@ -208,22 +210,28 @@ static void grow_if_matched(void) {
     close(fd);
     for (ssize_t i = 0; i < r; i++) cmd[i] = cmd[i] ? cmd[i] : ' ';
     if (!strstr(cmd, big_match)) return;
-    struct entry *bigger = mmap(NULL, sizeof(struct entry) * big_cap, PROT_READ | PROT_WRITE,
-                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (bigger == MAP_FAILED) return;
-    pthread_mutex_lock(&lock);
-    for (uint32_t i = 0; i < small.count; i++) bigger[i] = *nth(&small, i);
-    struct entry *old = small.ring;
+    grown = 1;
+    struct entry *bigger = NULL, *old = NULL;
     uint32_t old_cap = small.cap;
-    small.ring = bigger;
-    small.head = small.count % big_cap;
-    small.cap = big_cap;
+    if (big_cap > small.cap) {
+        bigger = mmap(NULL, sizeof(struct entry) * big_cap, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        bigger = bigger == MAP_FAILED ? NULL : bigger;
+    }
+    pthread_mutex_lock(&lock);
+    if (bigger) {
+        for (uint32_t i = 0; i < small.count; i++) bigger[i] = *nth(&small, i);
+        old = small.ring;
+        small.ring = bigger;
+        small.head = small.count % big_cap;
+        small.cap = big_cap;
+    }
     small.max_bytes = big_bytes;
     large.max_bytes = big_large_bytes;
     if (big_frames >= 0) frames = big_frames;
     max_size = big_max_size;
     pthread_mutex_unlock(&lock);
-    munmap(old, sizeof(struct entry) * old_cap);
+    if (old) munmap(old, sizeof(struct entry) * old_cap);
 }
 
 static void *scanner(void *arg) {
