@@ -203,7 +203,7 @@ static void scan(const char *what) {
 static void grow_if_matched(void) {
     static int grown;
     if (!big_match[0] || grown) return;
-    char cmd[512] = {0};
+    char cmd[4096] = {0};
     int fd = open("/proc/self/cmdline", O_RDONLY);
     if (fd < 0) return;
     ssize_t r = read(fd, cmd, sizeof cmd - 1);

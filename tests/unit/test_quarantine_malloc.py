@@ -80,11 +80,17 @@ def test_a_clean_process_has_no_report_and_counts_its_quarantine(preload, tmp_pa
 # Frees a chunk of argv[1] bytes, then 5000 others (past a quarantine of 64), then writes into the first:
 # caught only where the quarantine grew when the process's command line matched QM_BIG_MATCH (argv[2]).
 LATE_WRITE = """
-import ctypes, sys, time
+import ctypes, os, sys, time
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
-time.sleep(2.5)  # the scanner, every QM_SCAN_S=1 s, reads the command line and grows the quarantine
+# the scanner, every QM_SCAN_S=1 s, reads the command line, grows the quarantine and writes its stats
+stats = os.path.join(os.environ["QM_DIR"], "stats", str(os.getpid()))
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:
+    if os.path.exists(stats) and " of 100000," in open(stats).read():
+        break
+    time.sleep(0.2)
 p = libc.malloc(int(sys.argv[1]))
 libc.free(p)
 others = [libc.malloc(32) for _ in range(5000)]
