@@ -111,14 +111,19 @@ static int hex(char *buf, size_t size, const char *label, const unsigned char *p
     return len + snprintf(buf + len, size - len, "\n");
 }
 
-static void report(const char *what, unsigned char *user, uint64_t n, void *const *free_stack) {
-    char buf[1400], cmd[160] = {0};
+// This process's command line (as Ray retitles it), arguments joined by spaces, cut to size - 1 bytes.
+static void command_line(char *cmd, size_t size) {
+    memset(cmd, 0, size);
     int fd = open("/proc/self/cmdline", O_RDONLY);
-    if (fd >= 0) {
-        ssize_t r = read(fd, cmd, sizeof cmd - 1);
-        close(fd);
-        for (ssize_t i = 0; i < r; i++) cmd[i] = cmd[i] ? cmd[i] : ' ';
-    }
+    if (fd < 0) return;
+    ssize_t r = read(fd, cmd, size - 1);
+    close(fd);
+    for (ssize_t i = 0; i < r; i++) cmd[i] = cmd[i] ? cmd[i] : ' ';
+}
+
+static void report(const char *what, unsigned char *user, uint64_t n, void *const *free_stack) {
+    char buf[1400], cmd[160];
+    command_line(cmd, sizeof cmd);
     int len = snprintf(buf, sizeof buf,
                        "\n=== quarantine_malloc: %s: pid %d (%s) at %ld, chunk %p of %lu bytes\n", what,
                        (int)getpid(), cmd, (long)time(NULL), (void *)user, (unsigned long)n);
@@ -203,12 +208,8 @@ static void scan(const char *what) {
 static void grow_if_matched(void) {
     static int grown;
     if (!big_match[0] || grown) return;
-    char cmd[4096] = {0};
-    int fd = open("/proc/self/cmdline", O_RDONLY);
-    if (fd < 0) return;
-    ssize_t r = read(fd, cmd, sizeof cmd - 1);
-    close(fd);
-    for (ssize_t i = 0; i < r; i++) cmd[i] = cmd[i] ? cmd[i] : ' ';
+    char cmd[4096];
+    command_line(cmd, sizeof cmd);
     if (!strstr(cmd, big_match)) return;
     grown = 1;
     struct entry *bigger = NULL, *old = NULL;
