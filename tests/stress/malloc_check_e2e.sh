@@ -5,8 +5,10 @@
 #   CHECKER=quarantine (default): tests/stress/quarantine_malloc.c, built here with gcc. A write into a freed
 #     chunk of tcache or fastbin size, or past a chunk's end, or a double free (concurrent ones included), is
 #     reported where it lands (the chunk's bytes and its free site), whether or not glibc would ever have
-#     tripped over it; the run goes on. The trainer ranks hold up to 2M freed chunks of up to 4 MB (minutes of
-#     their frees) with 6 frames of each free's stack; the other processes, the default quarantine.
+#     tripped over it; the run goes on. The trainer ranks hold up to 2M freed chunks of up to 64 kB (minutes of
+#     their frees) with 6 frames of each free's stack; the other processes, the default quarantine. Chunks of
+#     64 kB and over in the trainer ranks (1 MB and over elsewhere) are guarded: the first read or write after
+#     their free faults where it happens, with a report and faulthandler's stacks (the run then fails).
 #   CHECKER=glibc: libc_malloc_debug with MALLOC_CHECK_=3 and MALLOC_PERTURB_, which aborts at the first
 #     inconsistent chunk (a trainer rank's abort fails the step).
 # faulthandler prints every thread's stack on an abort. The loop prints one line a run and stops at the
@@ -22,7 +24,7 @@ case "${CHECKER:-quarantine}" in
       || { echo "gcc could not build tests/stress/quarantine_malloc.c"; exit 2; }
     export LD_PRELOAD="$log/quarantine_malloc.so" QM_DIR="$log/reports" QM_SCAN_S=5 \
       QM_BIG_MATCH=TrainerWorker QM_BIG_CAP=2097152 QM_BIG_BYTES=419430400 QM_BIG_LARGE_BYTES=268435456 \
-      QM_BIG_FRAMES=6 QM_BIG_MAX_SIZE=4194304 ;;
+      QM_BIG_FRAMES=6 QM_BIG_MAX_SIZE=65535 QM_GUARD_MIN=1048576 QM_BIG_GUARD_MIN=65536 ;;
   glibc)
     debug_malloc=$(ls /lib/*/libc_malloc_debug.so.0 /usr/lib/*/libc_malloc_debug.so.0 2>/dev/null | head -1)
     [ -n "$debug_malloc" ] || { echo "libc_malloc_debug.so.0 not found (glibc >= 2.34 ships it)"; exit 2; }

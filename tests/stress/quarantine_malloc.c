@@ -16,6 +16,13 @@
 // QM_BIG_FRAMES frames a free: minutes of its frees instead of seconds, for writes that land long after the
 // free, without that memory in every other process. (A write into a freed large buffer lands, once glibc
 // reuses the memory, on whatever small chunks are carved from it.)
+// A chunk of QM_GUARD_MIN bytes or more (QM_BIG_GUARD_MIN in a matching process; 0: none) is guarded instead:
+// pages of its own, its end against an inaccessible page; once freed, its pages go back to the kernel and its
+// range stays mapped inaccessible (the last GUARD_CAP such chunks, QM_GUARD_VA bytes of address space at
+// most). The first access after the free, a read or a write from any thread, then faults where it happens
+// (as does an overflow past the chunk's end): on_fault reports the chunk, its free's stack and the faulting
+// one, and passes the signal on (faulthandler's Python stacks, then the default action, a core). No memory is
+// held for it, so it covers the buffers too large to quarantine.
 // Each report (the process, the chunk's size and bytes, where it was freed, where it was found) goes to
 // stderr and to <QM_DIR>/<pid>.log; <QM_DIR>/stats/<pid> counts what each process quarantined and checked.
 // Glibc's own malloc does the allocating (glibc's `__libc_*` entry points); this file only wraps it.
@@ -25,10 +32,12 @@
 //
 // -fno-builtin: otherwise gcc turns calloc's malloc + memset back into a call to calloc.
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <execinfo.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -53,6 +62,10 @@ extern void *__libc_memalign(size_t, size_t);
 #define QCAP (1u << 18)     // chunks held back (QM_CAP)
 #define QBYTES (96u << 20)  // and at most this many bytes of them (QM_BYTES)
 #define NFRAMES 12
+#define GLIVE 0x6A4D0A2Du     // a guarded chunk in use
+#define GFREEING 0x6A4DF4EEu  // a guarded chunk being freed
+#define GUARD_CAP (1u << 15)  // freed guarded chunks kept inaccessible (each a mapping: vm.max_map_count)
+#define GUARD_VA (32ull << 30)  // and at most this much address space of them (QM_GUARD_VA)
 
 struct hdr {
     uint64_t n;    // requested size
@@ -89,6 +102,18 @@ static __thread int in_backtrace;
 static int ready, frames;
 static char dir[200] = "/tmp/qmalloc";
 
+// Freed guarded chunks, inaccessible: a ring, oldest unmapped first.
+struct guarded {
+    unsigned char *base, *user;
+    uint64_t n, len;  // the chunk's size, the mapping's (with the guard page)
+    void *stack[NFRAMES];
+};
+static struct guarded *gring;
+static uint32_t ghead, gcount;
+static uint64_t gbytes, guard_va = GUARD_VA, guard_min, big_guard_min, guarded_frees;
+static size_t page = 4096;
+static struct sigaction chained[2];  // the handlers on_fault passes SIGSEGV, SIGBUS on to
+
 // ---------------------------------------------------------------------------------------------------------
 // Reports: plain write(2)s and snprintf into stack buffers, nothing that allocates.
 
@@ -121,7 +146,8 @@ static void command_line(char *cmd, size_t size) {
     for (ssize_t i = 0; i < r; i++) cmd[i] = cmd[i] ? cmd[i] : ' ';
 }
 
-static void report(const char *what, unsigned char *user, uint64_t n, void *const *free_stack) {
+// tail: how many bytes after the chunk to show (its canary; fewer for a guarded chunk).
+static void report_tail(const char *what, unsigned char *user, uint64_t n, void *const *free_stack, long tail) {
     char buf[1400], cmd[160];
     command_line(cmd, sizeof cmd);
     int len = snprintf(buf, sizeof buf,
@@ -129,7 +155,7 @@ static void report(const char *what, unsigned char *user, uint64_t n, void *cons
                        (int)getpid(), cmd, (long)time(NULL), (void *)user, (unsigned long)n);
     len += hex(buf + len, sizeof buf - len, "header:", user - HDR, HDR);
     len += hex(buf + len, sizeof buf - len, "bytes (first 128):", user, n < 128 ? (long)n : 128);
-    len += hex(buf + len, sizeof buf - len, "canary:", user + n, TRL);
+    len += hex(buf + len, sizeof buf - len, "canary:", user + n, tail);
     emit(buf, len, NULL, 0);
     if (free_stack) {
         int depth = 0;
@@ -142,6 +168,10 @@ static void report(const char *what, unsigned char *user, uint64_t n, void *cons
     in_backtrace = 0;
     emit("found at:\n", 10, now, depth);
     reports++;
+}
+
+static void report(const char *what, unsigned char *user, uint64_t n, void *const *free_stack) {
+    report_tail(what, user, n, free_stack, TRL);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -190,10 +220,11 @@ static void scan(const char *what) {
     scans++;
     int len = snprintf(buf, sizeof buf,
                        "quarantined %lu evicted %lu held %u (%lu bytes) of %u, large %u (%lu bytes) "
-                       "scans %lu reports %lu\n",
+                       "guarded %lu (from %lu bytes; %u freed held, %lu MB) scans %lu reports %lu\n",
                        (unsigned long)quarantined, (unsigned long)evicted, small.count,
                        (unsigned long)small.bytes, small.cap, large.count, (unsigned long)large.bytes,
-                       (unsigned long)scans, (unsigned long)reports);
+                       (unsigned long)guarded_frees, (unsigned long)guard_min, gcount,
+                       (unsigned long)(gbytes >> 20), (unsigned long)scans, (unsigned long)reports);
     pthread_mutex_unlock(&lock);
     snprintf(path, sizeof path, "%s/stats/%d", dir, (int)getpid());
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -201,6 +232,149 @@ static void scan(const char *what) {
         (void)!write(fd, buf, len);
         close(fd);
     }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Guarded chunks.
+
+static int guarding(size_t n) { return ready && guard_min && n >= guard_min && n < ((size_t)1 << 31); }
+
+static void *guarded_alloc(size_t align, size_t n) {
+    size_t a = align < 16 ? 16 : align;
+    size_t data = (HDR + n + a + page - 1) & ~(page - 1);
+    unsigned char *base = mmap(NULL, data + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return NULL;
+    if (mprotect(base + data, page, PROT_NONE)) {
+        munmap(base, data + page);
+        return NULL;
+    }
+    // the end against the guard page, less what the alignment leaves (a canary, checked at free)
+    unsigned char *user = (unsigned char *)((uintptr_t)(base + data - n) & ~(uintptr_t)(a - 1));
+    struct hdr *h = (struct hdr *)(user - HDR);
+    h->n = n;
+    h->off = (uint32_t)(user - base);
+    h->magic = GLIVE;
+    memset(user + n, CANARY, base + data - (user + n));
+    return user;
+}
+
+static void guarded_free(unsigned char *user, struct hdr *h, void *caller) {
+    uint32_t seen = GLIVE;
+    if (!__atomic_compare_exchange_n(&h->magic, &seen, GFREEING, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        report_tail("double free, concurrent: another thread is freeing the chunk now", user, h->n, NULL, 0);
+        return;
+    }
+    uint64_t n = h->n;
+    unsigned char *base = user - h->off;
+    uint64_t data = (h->off + n + page - 1) & ~(uint64_t)(page - 1);
+    for (unsigned char *c = user + n; c < base + data; c++)
+        if (*c != CANARY) {
+            report_tail("write past the chunk's end (found at its free)", user, n, NULL, base + data - (user + n));
+            break;
+        }
+    struct guarded g = {.base = base, .user = user, .n = n, .len = data + page};
+    g.stack[0] = caller;
+    if (frames) {
+        in_backtrace = 1;
+        backtrace(g.stack, frames);
+        in_backtrace = 0;
+    }
+    // the pages go back to the kernel; the range stays reserved and inaccessible
+    if (mmap(base, g.len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED) {
+        munmap(base, g.len);
+        return;
+    }
+    pthread_mutex_lock(&lock);
+    while (gcount == GUARD_CAP || (gcount && gbytes + g.len > guard_va)) {
+        struct guarded *old = &gring[(ghead + GUARD_CAP - gcount) % GUARD_CAP];
+        munmap(old->base, old->len);
+        gbytes -= old->len;
+        gcount--;
+    }
+    gring[ghead] = g;
+    ghead = (ghead + 1) % GUARD_CAP;
+    gcount++;
+    gbytes += g.len;
+    guarded_frees++;
+    pthread_mutex_unlock(&lock);
+}
+
+// SIGSEGV / SIGBUS: which freed guarded chunk the address lies in, if any (read without the lock: the faulting
+// thread may hold it), then the handler that was there before.
+static void on_fault(int sig, siginfo_t *si, void *ctx) {
+    static int entered;
+    if (__atomic_exchange_n(&entered, 1, __ATOMIC_SEQ_CST) || si->si_code <= 0) {
+        signal(sig, SIG_DFL);  // a second fault, or one raised by the handler passed on to: the default action
+        return;
+    }
+    unsigned char *addr = si->si_addr;
+    struct guarded *hit = NULL;
+    for (uint32_t i = 0; gring && i < gcount; i++) {
+        struct guarded *g = &gring[(ghead + GUARD_CAP - 1 - i) % GUARD_CAP];
+        if (addr >= g->base && addr < g->base + g->len) {
+            hit = g;
+            break;
+        }
+    }
+    char buf[600], cmd[160];
+    command_line(cmd, sizeof cmd);
+    const char *name = sig == SIGSEGV ? "SIGSEGV" : "SIGBUS";
+    int len = hit ? snprintf(buf, sizeof buf,
+                             "\n=== quarantine_malloc: access to a freed chunk (%s): pid %d (%s) at %ld, address %p"
+                             " = chunk %p of %lu bytes %+ld\n",
+                             name, (int)getpid(), cmd, (long)time(NULL), (void *)addr, (void *)hit->user,
+                             (unsigned long)hit->n, (long)(addr - hit->user))
+                  : snprintf(buf, sizeof buf,
+                             "\n=== quarantine_malloc: %s at address %p, in no freed guarded chunk (past a guarded"
+                             " chunk's end, or another fault): pid %d (%s) at %ld\n",
+                             name, (void *)addr, (int)getpid(), cmd, (long)time(NULL));
+    emit(buf, len, NULL, 0);
+    if (hit) {
+        int depth = 0;
+        while (depth < NFRAMES && hit->stack[depth]) depth++;
+        emit("freed at:\n", 10, hit->stack, depth);
+    }
+    void *now[NFRAMES];
+    in_backtrace = 1;
+    int depth = backtrace(now, NFRAMES);
+    in_backtrace = 0;
+    emit("found at:\n", 10, now, depth);
+    reports++;
+    struct sigaction *next = &chained[sig == SIGBUS];
+    if ((next->sa_flags & SA_SIGINFO) && next->sa_sigaction)
+        next->sa_sigaction(sig, si, ctx);
+    else if (next->sa_handler != SIG_DFL && next->sa_handler != SIG_IGN)
+        next->sa_handler(sig);
+    signal(sig, SIG_DFL);  // returning runs the faulting access again: the default action, a core
+}
+
+// on_fault stays first: a SIGSEGV or SIGBUS handler installed through sigaction (Python's faulthandler, Ray's)
+// becomes the one on_fault passes the fault on to, and reads back as installed. The scanner also puts it
+// back in front of one installed otherwise (glibc's signal()).
+static int (*real_sigaction)(int, const struct sigaction *, struct sigaction *);
+static int fault_handler_on;
+
+static void keep_fault_handler(void) {
+    if (!guard_min || !real_sigaction) return;
+    struct sigaction now, mine = {.sa_sigaction = on_fault, .sa_flags = SA_SIGINFO | SA_ONSTACK};
+    sigemptyset(&mine.sa_mask);
+    int sigs[2] = {SIGSEGV, SIGBUS};
+    for (int i = 0; i < 2; i++) {
+        real_sigaction(sigs[i], NULL, &now);
+        if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_fault) continue;
+        chained[i] = now;
+        real_sigaction(sigs[i], &mine, NULL);
+    }
+    fault_handler_on = 1;
+}
+
+int sigaction(int sig, const struct sigaction *act, struct sigaction *old) {
+    if (!real_sigaction) real_sigaction = dlsym(RTLD_NEXT, "sigaction");
+    if (!fault_handler_on || (sig != SIGSEGV && sig != SIGBUS)) return real_sigaction(sig, act, old);
+    struct sigaction *next = &chained[sig == SIGBUS];
+    if (old) *old = *next;
+    if (act) *next = *act;
+    return 0;
 }
 
 // Once the command line contains QM_BIG_MATCH: the QM_BIG_* settings, and the held chunks, oldest first, into
@@ -231,6 +405,7 @@ static void grow_if_matched(void) {
     large.max_bytes = big_large_bytes;
     if (big_frames >= 0) frames = big_frames;
     max_size = big_max_size;
+    guard_min = big_guard_min;
     pthread_mutex_unlock(&lock);
     if (old) munmap(old, sizeof(struct entry) * old_cap);
 }
@@ -240,6 +415,7 @@ static void *scanner(void *arg) {
     for (;;) {
         sleep(scan_s);
         grow_if_matched();
+        keep_fault_handler();
         scan("write after free (periodic scan)");
     }
     return NULL;
@@ -281,6 +457,11 @@ __attribute__((constructor)) static void init(void) {
     big_bytes = (v = getenv("QM_BIG_BYTES")) && atol(v) > 0 ? (uint64_t)atol(v) : 16 * small.max_bytes;
     big_large_bytes = (v = getenv("QM_BIG_LARGE_BYTES")) && atol(v) > 0 ? (uint64_t)atol(v) : big_bytes;
     if ((v = getenv("QM_BIG_FRAMES"))) big_frames = atoi(v) < 0 ? 0 : (atoi(v) > NFRAMES ? NFRAMES : atoi(v));
+    if ((v = getenv("QM_GUARD_MIN")) && atol(v) > 0) guard_min = (uint64_t)atol(v);
+    big_guard_min = (v = getenv("QM_BIG_GUARD_MIN")) && atol(v) > 0 ? (uint64_t)atol(v) : guard_min;
+    if ((v = getenv("QM_GUARD_VA")) && atol(v) > 0) guard_va = (uint64_t)atol(v);
+    page = (size_t)sysconf(_SC_PAGESIZE);
+    real_sigaction = dlsym(RTLD_NEXT, "sigaction");
     char stats[256];
     snprintf(stats, sizeof stats, "%s/stats", dir);
     mkdir(dir, 0777);
@@ -289,8 +470,10 @@ __attribute__((constructor)) static void init(void) {
                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     large.ring = mmap(NULL, sizeof(struct entry) * large.cap, PROT_READ | PROT_WRITE,
                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    gring = mmap(NULL, sizeof(struct guarded) * GUARD_CAP, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     // no quarantine: chunks are freed at once, canaries still checked
-    if (small.ring == MAP_FAILED || large.ring == MAP_FAILED) return;
+    if (small.ring == MAP_FAILED || large.ring == MAP_FAILED || gring == MAP_FAILED) return;
     void *warm[2];
     in_backtrace = 1;
     backtrace(warm, 2);  // loads libgcc's unwinder (which allocates) now rather than inside a free
@@ -298,6 +481,7 @@ __attribute__((constructor)) static void init(void) {
     pthread_atfork(before_fork, after_fork_parent, after_fork_child);
     start_scanner();
     ready = 1;
+    keep_fault_handler();
 }
 
 __attribute__((destructor)) static void fini(void) {
@@ -322,6 +506,10 @@ void *malloc(size_t n) {
         errno = ENOMEM;
         return NULL;
     }
+    if (guarding(n)) {
+        void *p = guarded_alloc(16, n);
+        if (p) return p;
+    }
     unsigned char *base = __libc_malloc(n + HDR + TRL);
     return base ? finish(base, HDR, n) : NULL;
 }
@@ -332,6 +520,10 @@ static void *aligned(size_t align, size_t n) {
         errno = EINVAL;
         return NULL;
     }
+    if (guarding(n) && align <= page) {
+        void *p = guarded_alloc(align, n);
+        if (p) return p;
+    }
     unsigned char *base = __libc_memalign(align, n + align + TRL);
     return base ? finish(base, align, n) : NULL;
 }
@@ -340,6 +532,10 @@ void free(void *p) {
     if (!p) return;
     unsigned char *user = p;
     struct hdr *h = (struct hdr *)(user - HDR);
+    if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == GLIVE) {  // a freed one's header faults: on_fault
+        guarded_free(user, h, __builtin_return_address(0));
+        return;
+    }
     // Claimed atomically: two threads freeing one chunk at once (a refcount race) both pass a plain check,
     // and glibc, whose tcache double-free check looks only at the freeing thread's own cache, puts the chunk
     // in both threads' caches: the next malloc hands it out while the other cache still links it.
@@ -347,8 +543,9 @@ void free(void *p) {
     if (!__atomic_compare_exchange_n(&h->magic, &seen, FREEING, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
         if (seen == DEAD)
             report("double free (the chunk is in quarantine)", user, h->n, NULL);
-        else if (seen == FREEING)
-            report("double free, concurrent: another thread is freeing the chunk now", user, h->n, NULL);
+        else if (seen == FREEING || seen == GFREEING)
+            report_tail("double free, concurrent: another thread is freeing the chunk now", user, h->n, NULL,
+                        seen == FREEING ? TRL : 0);
         else
             report("free of a pointer this allocator did not return (or its header was overwritten)", user, 0,
                    NULL);
@@ -399,6 +596,13 @@ void *calloc(size_t a, size_t b) {
 void *realloc(void *p, size_t n) {
     if (!p) return malloc(n);
     struct hdr *h = (struct hdr *)((unsigned char *)p - HDR);
+    if (h->magic == GLIVE) {
+        void *q = ((uintptr_t)p & 63) ? malloc(n) : aligned(64, n);
+        if (!q) return NULL;
+        memcpy(q, p, h->n < n ? h->n : n);
+        free(p);
+        return q;
+    }
     if (h->magic != LIVE) {
         report("realloc of a pointer this allocator did not return (or a freed one)", p, 0, NULL);
         errno = EINVAL;
@@ -436,5 +640,5 @@ void *pvalloc(size_t n) { return aligned(4096, (n + 4095) & ~(size_t)4095); }
 size_t malloc_usable_size(void *p) {
     if (!p) return 0;
     const struct hdr *h = (const struct hdr *)((unsigned char *)p - HDR);
-    return h->magic == LIVE ? h->n : 0;
+    return h->magic == LIVE || h->magic == GLIVE ? h->n : 0;
 }

@@ -122,3 +122,63 @@ def test_a_matching_process_grows_its_quarantine_and_catches_a_late_write(preloa
     assert " of 100000," in stats, stats
     (text,) = [p.read_text() for p in tmp_path.glob("*.log")]
     assert "write after free" in text and f"of {size} bytes" in text
+
+
+# A guarded chunk (QM_GUARD_MIN and over) of argv[1] bytes, filled, then: freed and written at argv[2]
+# (mode w), freed and read there (r), written at argv[2] while live (o: past its end when argv[2] >= size), or
+# written there and then freed (f).
+GUARDED = """
+import ctypes, sys
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+size, offset, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+p = libc.malloc(size)
+ctypes.memset(p, 7, size)
+if mode in "wr":
+    libc.free(p)
+if mode == "r":
+    ctypes.string_at(p + offset, 4)
+else:
+    ctypes.memset(p + offset, 0x41, 4)
+if mode == "f":
+    libc.free(p)
+print("no fault")
+"""
+
+
+def _guarded(preload: Path, reports: Path, *args: str) -> tuple[subprocess.CompletedProcess, str]:
+    env = {
+        "LD_PRELOAD": str(preload),
+        "QM_DIR": str(reports),
+        "PATH": "/usr/bin:/bin",
+        "QM_GUARD_MIN": "65536",
+        "PYTHONFAULTHANDLER": "1",
+    }
+    proc = subprocess.run([sys.executable, "-c", GUARDED, *args], env=env, capture_output=True, text=True)
+    return proc, "".join(p.read_text() for p in sorted(reports.glob("*.log")))
+
+
+@pytest.mark.parametrize("mode", ["w", "r"])
+def test_an_access_to_a_freed_guarded_chunk_faults_where_it_happens(preload, tmp_path, mode):
+    """A write or a read after the free, a page past the chunk's start: the process stops at that access
+    with the report (the chunk, the offset) and then faulthandler's Python stack names the line."""
+    proc, text = _guarded(preload, tmp_path, "1000000", "5000", mode)
+    assert proc.returncode == -11 and "no fault" not in proc.stdout
+    assert "access to a freed chunk (SIGSEGV)" in text and "of 1000000 bytes +5000" in text
+    assert "freed at:" in text and "found at:" in text
+    access = "ctypes.string_at(p + offset" if mode == "r" else "ctypes.memset(p + offset"
+    line = next(i for i, text in enumerate(GUARDED.splitlines(), 1) if access in text)
+    assert f'File "<string>", line {line} in <module>' in proc.stderr
+
+
+def test_a_write_past_a_guarded_chunks_end_faults(preload, tmp_path):
+    proc, text = _guarded(preload, tmp_path, "1000000", "1000000", "o")  # 1000000: a multiple of 16
+    assert proc.returncode == -11 and "in no freed guarded chunk" in text
+
+
+def test_a_guarded_process_without_faults_runs_and_counts_its_guarded_chunks(preload, tmp_path):
+    proc, text = _guarded(preload, tmp_path, "1000000", "0", "f")
+    assert proc.returncode == 0 and "no fault" in proc.stdout and text == ""
+    (stats,) = [p.read_text() for p in (tmp_path / "stats").iterdir()]
+    assert int(stats.split("guarded ")[1].split()[0]) >= 1, stats  # the 1 MB chunk at least
