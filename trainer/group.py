@@ -13,6 +13,7 @@ from ray.exceptions import RayActorError
 
 from rl import resource_wait
 from rl.batch import Sample
+from rl.worker_logs import crash_report
 from trainer.batching import in_batch_order, split_by_tokens
 from trainer.minibatch import mini_batch_plan, steps_per_batch
 from trainer.rendezvous import rank0_endpoint
@@ -32,11 +33,19 @@ def for_ranks(directory: str | Path) -> str:
 
 class TrainerRankLost(RuntimeError):
     """A trainer rank's actor is gone (its process, or the node it ran on): the group cannot go on, as
-    every step is collective over all ranks. Names the rank and its node."""
+    every step is collective over all ranks. Names the rank and its node; where the rank's output file is
+    readable from here (same machine or a shared disk), names it, and a rank that crashed (a native abort, a
+    segfault) adds what it wrote there: the reason and every thread's stack."""
 
-    def __init__(self, rank: int, node_ip: str, node_id: str, cause: BaseException):
+    def __init__(
+        self, rank: int, node_ip: str, node_id: str, cause: BaseException, output: str | None = None
+    ):
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        super().__init__(f"trainer rank {rank} on node {node_ip} (node id {node_id}) was lost: {first}")
+        message = f"trainer rank {rank} on node {node_ip} (node id {node_id}) was lost: {first}"
+        if output and Path(output).is_file():
+            report = crash_report(Path(output))
+            message += f" (its output: {output}" + (f"; it crashed:\n{report}\n)" if report else ")")
+        super().__init__(message)
         self.rank, self.node_ip, self.node_id = rank, node_ip, node_id
 
 
@@ -73,6 +82,7 @@ class TrainerGroup:
         self.spec = spec
         self.batches = 0  # train_step calls so far (restored by load_checkpoint): seeds the mini-batch order
         self.nodes: list[tuple[str, str]] = []  # rank -> (node id, node address), once the ranks are up
+        self.outputs: list[str | None] = []  # rank -> the file its stderr goes to, once the ranks are up
         self.broken = False  # a rank is lost or stuck: ranks may wait in a collective, so shutdown only kills
         # colocated with rollout engines: a fraction of the rank's GPU (the engine holds the rest)
         resources = {"num_gpus": num_gpus_per_rank, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
@@ -116,6 +126,7 @@ class TrainerGroup:
         """Until every rank's constructor has returned (`wait=False` left the caller to call this). The
         constructors join the process group together; a failure in one surfaces here."""
         self.nodes = resource_wait.get([w.node.remote() for w in self.workers])
+        self.outputs = ray.get([w.output.remote() for w in self.workers])
 
     def _get(self, refs: list[ray.ObjectRef], ranks: list[int] | None = None) -> list:
         """`ray.get(refs)`, one result a rank (refs[i] of rank ranks[i]; by default rank i), that fails as
@@ -152,7 +163,8 @@ class TrainerGroup:
                 self.broken = True
                 rank = rank_of[ready[0]]
                 node_id, ip = self.nodes[rank] if rank < len(self.nodes) else ("?", "?")
-                raise TrainerRankLost(rank, ip, node_id, e) from e
+                output = self.outputs[rank] if rank < len(self.outputs) else None
+                raise TrainerRankLost(rank, ip, node_id, e, output) from e
             except Exception:  # noqa: BLE001 - a live rank's own error: the caller raises the first one
                 pass
 

@@ -34,7 +34,7 @@ from rl import algo
 from rl.adapter_files import read_peft_dir
 from rl.batch import RoutingLost, Sample
 from rl.compat import hf_checkpoint_state_dict
-from rl.worker_logs import capture
+from rl.worker_logs import capture, stderr_path
 from trainer import checkpoint_io, logprobs, lora, sharded_load
 from trainer.batching import MicroBatch, check_lengths, in_batch_order, make_micro_batch, pack_micro_batches
 from trainer.nvfp4 import is_nvfp4_checkpoint
@@ -671,6 +671,11 @@ class TrainerWorker:
     def node(self) -> tuple[str, str]:
         """(node id, node address) of this rank, as Ray reports them: what a lost rank's message names."""
         return node_address()
+
+    def output(self) -> str | None:
+        """The file this rank's stderr goes to (its log in the run's logs/, or Ray's log of the worker): where
+        a rank that crashed left why, for the lost rank's message."""
+        return stderr_path()
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -1,7 +1,7 @@
 """TrainerGroup's gather of one call a rank when ranks fail, on a real local Ray instance.
 
-The ranks are stand-in actors (one method that returns, raises, hangs or kills its own process, after a
-delay): the orders of events here are the ones a real run leaves to timing. A survivor's collective error
+The ranks are stand-in actors (one method that returns, raises, hangs, kills its own process or crashes it
+in glibc, after a delay): the orders of events here are the ones a real run leaves to timing. A survivor's collective error
 ("Connection reset by peer") may reach the driver before Ray reports its peer's death, or after it; a
 live rank may raise while another waits forever in a collective. A real rank lost with its node is
 test_train_e2e.py's.
@@ -9,11 +9,13 @@ test_train_e2e.py's.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 
 import pytest
 
+from rl.worker_logs import capture, stderr_path
 from trainer import group as group_module
 from trainer.group import TrainerGroup, TrainerRankLost
 
@@ -26,10 +28,23 @@ def ranks(ray_cluster):
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class StandInRank:
+        def __init__(self):
+            capture("trainer-rank")  # as TrainerWorker starts: no run log dir here, so faulthandler alone
+
+        def output(self):
+            return stderr_path()  # Ray's log of this worker
+
         def call(self, behaviour: str, delay_s: float):
             time.sleep(delay_s)
             if behaviour == "die":
                 os._exit(1)
+            if behaviour == "crash":  # a double free: glibc aborts the process
+                libc = ctypes.CDLL(None)
+                libc.malloc.restype = ctypes.c_void_p
+                libc.free.argtypes = [ctypes.c_void_p]
+                p = libc.malloc(48)
+                libc.free(p)
+                libc.free(p)
             if behaviour == "hang":
                 time.sleep(3600)
             if behaviour == "raise":
@@ -41,6 +56,7 @@ def ranks(ray_cluster):
     def make(n: int = 2) -> TrainerGroup:
         g = TrainerGroup.__new__(TrainerGroup)  # the gather alone: no trainer ranks are built
         g.workers, g.nodes, g.broken = [StandInRank.remote() for _ in range(n)], NODES[:n], False
+        g.outputs = ray.get([w.output.remote() for w in g.workers])
         return g
 
     return make
@@ -71,6 +87,22 @@ def test_a_dead_rank_is_reported_while_the_other_waits_in_its_collective(ranks):
     with pytest.raises(TrainerRankLost) as lost:
         g._get(_calls(g, ("hang", 0.0), ("die", 0.0)))
     assert lost.value.rank == 1 and g.broken
+
+
+def test_a_rank_that_crashed_is_reported_with_its_abort_and_stacks(ranks):
+    """A native abort in a rank (here glibc's double-free check): the lost rank's message names the rank's
+    output file (Ray's log of the worker) and carries what the crash wrote there, glibc's line and
+    faulthandler's stack of every thread, so a crash in CI explains itself in the test's output."""
+    g = ranks()
+    with pytest.raises(TrainerRankLost) as lost:
+        g._get(_calls(g, ("hang", 0.0), ("crash", 0.0)))
+    message = str(lost.value)
+    assert lost.value.rank == 1 and f"(its output: {g.outputs[1]}; it crashed:" in message
+    assert g.outputs[1].endswith(".err") and "worker-" in g.outputs[1]
+    report = message.split("it crashed:\n")[1]
+    assert report.startswith("free(): double free detected in tcache 2\n")
+    # Ray's own handler prints the native stack first, then passes the signal to faulthandler's
+    assert "Fatal Python error: Aborted" in report and "in call" in report  # the stand-in's Python frame
 
 
 def test_a_live_ranks_error_is_raised_once_the_grace_is_over(ranks, monkeypatch):
