@@ -146,17 +146,8 @@ static void command_line(char *cmd, size_t size) {
     for (ssize_t i = 0; i < r; i++) cmd[i] = cmd[i] ? cmd[i] : ' ';
 }
 
-// tail: how many bytes after the chunk to show (its canary; fewer for a guarded chunk).
-static void report_tail(const char *what, unsigned char *user, uint64_t n, void *const *free_stack, long tail) {
-    char buf[1400], cmd[160];
-    command_line(cmd, sizeof cmd);
-    int len = snprintf(buf, sizeof buf,
-                       "\n=== quarantine_malloc: %s: pid %d (%s) at %ld, chunk %p of %lu bytes\n", what,
-                       (int)getpid(), cmd, (long)time(NULL), (void *)user, (unsigned long)n);
-    len += hex(buf + len, sizeof buf - len, "header:", user - HDR, HDR);
-    len += hex(buf + len, sizeof buf - len, "bytes (first 128):", user, n < 128 ? (long)n : 128);
-    len += hex(buf + len, sizeof buf - len, "canary:", user + n, tail);
-    emit(buf, len, NULL, 0);
+// The free's stack, if known, and the current one: the end of every report.
+static void emit_stacks(void *const *free_stack) {
     if (free_stack) {
         int depth = 0;
         while (depth < NFRAMES && free_stack[depth]) depth++;
@@ -168,6 +159,20 @@ static void report_tail(const char *what, unsigned char *user, uint64_t n, void 
     in_backtrace = 0;
     emit("found at:\n", 10, now, depth);
     reports++;
+}
+
+// tail: how many bytes after the chunk to show (its canary; fewer for a guarded chunk).
+static void report_tail(const char *what, unsigned char *user, uint64_t n, void *const *free_stack, long tail) {
+    char buf[1400], cmd[160];
+    command_line(cmd, sizeof cmd);
+    int len = snprintf(buf, sizeof buf,
+                       "\n=== quarantine_malloc: %s: pid %d (%s) at %ld, chunk %p of %lu bytes\n", what,
+                       (int)getpid(), cmd, (long)time(NULL), (void *)user, (unsigned long)n);
+    len += hex(buf + len, sizeof buf - len, "header:", user - HDR, HDR);
+    len += hex(buf + len, sizeof buf - len, "bytes (first 128):", user, n < 128 ? (long)n : 128);
+    len += hex(buf + len, sizeof buf - len, "canary:", user + n, tail);
+    emit(buf, len, NULL, 0);
+    emit_stacks(free_stack);
 }
 
 static void report(const char *what, unsigned char *user, uint64_t n, void *const *free_stack) {
@@ -329,17 +334,7 @@ static void on_fault(int sig, siginfo_t *si, void *ctx) {
                              " chunk's end, or another fault): pid %d (%s) at %ld\n",
                              name, (void *)addr, (int)getpid(), cmd, (long)time(NULL));
     emit(buf, len, NULL, 0);
-    if (hit) {
-        int depth = 0;
-        while (depth < NFRAMES && hit->stack[depth]) depth++;
-        emit("freed at:\n", 10, hit->stack, depth);
-    }
-    void *now[NFRAMES];
-    in_backtrace = 1;
-    int depth = backtrace(now, NFRAMES);
-    in_backtrace = 0;
-    emit("found at:\n", 10, now, depth);
-    reports++;
+    emit_stacks(hit ? hit->stack : NULL);
     struct sigaction *next = &chained[sig == SIGBUS];
     if ((next->sa_flags & SA_SIGINFO) && next->sa_sigaction)
         next->sa_sigaction(sig, si, ctx);

@@ -13,16 +13,21 @@ import pytest
 
 SOURCE = Path(__file__).resolve().parents[1] / "stress" / "quarantine_malloc.c"
 
-# A chunk of `size` bytes from libc's malloc (the preloaded one), freed or not, then 4 bytes of 0x41 written
-# at `offset`; mode 2: freed twice instead.
-WRITE = """
+# The scripts below: a chunk of argv[1] bytes from libc's malloc (the preloaded one), argv[2] an offset into
+# it, argv[3] a mode.
+CHUNK = """
 import ctypes, sys
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 size, offset, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 p = libc.malloc(size)
-if mode == "2":
+"""
+
+# Freed or not, then 4 bytes of 0x41 written at the offset; mode 2: freed twice instead.
+WRITE = (
+    CHUNK
+    + """if mode == "2":
     libc.free(p)
     libc.free(p)
     sys.exit()
@@ -32,6 +37,7 @@ ctypes.memset(p + offset, 0x41, 4)
 if mode == "0":
     libc.free(p)
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -127,14 +133,9 @@ def test_a_matching_process_grows_its_quarantine_and_catches_a_late_write(preloa
 # A guarded chunk (QM_GUARD_MIN and over) of argv[1] bytes, filled, then: freed and written at argv[2]
 # (mode w), freed and read there (r), written at argv[2] while live (o: past its end when argv[2] >= size), or
 # written there and then freed (f).
-GUARDED = """
-import ctypes, sys
-libc = ctypes.CDLL(None)
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-size, offset, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-p = libc.malloc(size)
-ctypes.memset(p, 7, size)
+GUARDED = (
+    CHUNK
+    + """ctypes.memset(p, 7, size)
 if mode in "wr":
     libc.free(p)
 if mode == "r":
@@ -145,6 +146,7 @@ if mode == "f":
     libc.free(p)
 print("no fault")
 """
+)
 
 
 def _guarded(preload: Path, reports: Path, *args: str) -> tuple[subprocess.CompletedProcess, str]:
