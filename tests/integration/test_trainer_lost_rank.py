@@ -1,7 +1,7 @@
 """TrainerGroup's gather of one call a rank when ranks fail, on a real local Ray instance.
 
 The ranks are stand-in actors (one method that returns, raises, hangs, kills its own process or crashes it
-in glibc, after a delay): the orders of events here are the ones a real run leaves to timing. A survivor's collective error
+with a segfault, after a delay): the orders of events here are the ones a real run leaves to timing. A survivor's collective error
 ("Connection reset by peer") may reach the driver before Ray reports its peer's death, or after it; a
 live rank may raise while another waits forever in a collective. A real rank lost with its node is
 test_train_e2e.py's.
@@ -38,13 +38,8 @@ def ranks(ray_cluster):
             time.sleep(delay_s)
             if behaviour == "die":
                 os._exit(1)
-            if behaviour == "crash":  # a double free: glibc aborts the process
-                libc = ctypes.CDLL(None)
-                libc.malloc.restype = ctypes.c_void_p
-                libc.free.argtypes = [ctypes.c_void_p]
-                p = libc.malloc(48)
-                libc.free(p)
-                libc.free(p)
+            if behaviour == "crash":  # a read of address 0: SIGSEGV
+                ctypes.string_at(0)
             if behaviour == "hang":
                 time.sleep(3600)
             if behaviour == "raise":
@@ -89,10 +84,10 @@ def test_a_dead_rank_is_reported_while_the_other_waits_in_its_collective(ranks):
     assert lost.value.rank == 1 and g.broken
 
 
-def test_a_rank_that_crashed_is_reported_with_its_abort_and_stacks(ranks):
-    """A native abort in a rank (here glibc's double-free check): the lost rank's message names the rank's
-    output file (Ray's log of the worker) and carries what the crash wrote there, glibc's line and
-    faulthandler's stack of every thread, so a crash in CI explains itself in the test's output."""
+def test_a_rank_that_crashed_is_reported_with_its_signal_and_stacks(ranks):
+    """A native crash in a rank (here a segfault): the lost rank's message names the rank's output file
+    (Ray's log of the worker) and carries what the crash wrote there, faulthandler's stack of every thread,
+    so a crash in CI explains itself in the test's output. (A glibc abort's line: test_worker_logs.py.)"""
     g = ranks()
     with pytest.raises(TrainerRankLost) as lost:
         g._get(_calls(g, ("hang", 0.0), ("crash", 0.0)))
@@ -100,9 +95,8 @@ def test_a_rank_that_crashed_is_reported_with_its_abort_and_stacks(ranks):
     assert lost.value.rank == 1 and f"(its output: {g.outputs[1]}; it crashed:" in message
     assert g.outputs[1].endswith(".err") and "worker-" in g.outputs[1]
     report = message.split("it crashed:\n")[1]
-    assert report.startswith("free(): double free detected in tcache 2\n")
-    # Ray's own handler prints the native stack first, then passes the signal to faulthandler's
-    assert "Fatal Python error: Aborted" in report and "in call" in report  # the stand-in's Python frame
+    # Ray's own handler may print the native stack first; then faulthandler's
+    assert "Fatal Python error: Segmentation fault" in report and "in call" in report  # the stand-in's frame
 
 
 def test_a_live_ranks_error_is_raised_once_the_grace_is_over(ranks, monkeypatch):

@@ -21,8 +21,9 @@
 // range stays mapped inaccessible (the last GUARD_CAP such chunks, QM_GUARD_VA bytes of address space at
 // most). The first access after the free, a read or a write from any thread, then faults where it happens
 // (as does an overflow past the chunk's end): on_fault reports the chunk, its free's stack and the faulting
-// one, and passes the signal on (faulthandler's Python stacks, then the default action, a core). No memory is
-// held for it, so it covers the buffers too large to quarantine.
+// one, and passes the signal on to the handlers installed before and after it (Ray's native stack,
+// faulthandler's Python stacks, then the default action, a core). No memory is held for it, so it covers
+// the buffers too large to quarantine.
 // Each report (the process, the chunk's size and bytes, where it was freed, where it was found) goes to
 // stderr and to <QM_DIR>/<pid>.log; <QM_DIR>/stats/<pid> counts what each process quarantined and checked.
 // Glibc's own malloc does the allocating (glibc's `__libc_*` entry points); this file only wraps it.
@@ -304,50 +305,48 @@ static void guarded_free(unsigned char *user, struct hdr *h, void *caller) {
     pthread_mutex_unlock(&lock);
 }
 
+static int (*real_sigaction)(int, const struct sigaction *, struct sigaction *);
+static int fault_handler_on;
+
 // SIGSEGV / SIGBUS: which freed guarded chunk the address lies in, if any (read without the lock: the faulting
-// thread may hold it), then the handler that was there before.
+// thread may hold it); then the handlers that were there before are put back, and the signal goes to them as
+// the kernel would have sent it: a fault happens again once this returns, a sent signal is sent again.
 static void on_fault(int sig, siginfo_t *si, void *ctx) {
-    static int entered;
-    if (__atomic_exchange_n(&entered, 1, __ATOMIC_SEQ_CST) || si->si_code <= 0) {
-        signal(sig, SIG_DFL);  // a second fault, or one raised by the handler passed on to: the default action
-        return;
-    }
-    unsigned char *addr = si->si_addr;
-    struct guarded *hit = NULL;
-    for (uint32_t i = 0; gring && i < gcount; i++) {
-        struct guarded *g = &gring[(ghead + GUARD_CAP - 1 - i) % GUARD_CAP];
-        if (addr >= g->base && addr < g->base + g->len) {
-            hit = g;
-            break;
+    (void)ctx;
+    if (si->si_code > 0) {
+        unsigned char *addr = si->si_addr;
+        struct guarded *hit = NULL;
+        for (uint32_t i = 0; gring && i < gcount; i++) {
+            struct guarded *g = &gring[(ghead + GUARD_CAP - 1 - i) % GUARD_CAP];
+            if (addr >= g->base && addr < g->base + g->len) {
+                hit = g;
+                break;
+            }
         }
+        char buf[600], cmd[160];
+        command_line(cmd, sizeof cmd);
+        const char *name = sig == SIGSEGV ? "SIGSEGV" : "SIGBUS";
+        int len = hit ? snprintf(buf, sizeof buf,
+                                 "\n=== quarantine_malloc: access to a freed chunk (%s): pid %d (%s) at %ld, "
+                                 "address %p = chunk %p of %lu bytes %+ld\n",
+                                 name, (int)getpid(), cmd, (long)time(NULL), (void *)addr, (void *)hit->user,
+                                 (unsigned long)hit->n, (long)(addr - hit->user))
+                      : snprintf(buf, sizeof buf,
+                                 "\n=== quarantine_malloc: %s at address %p, in no freed guarded chunk (past a "
+                                 "guarded chunk's end, or another fault): pid %d (%s) at %ld\n",
+                                 name, (void *)addr, (int)getpid(), cmd, (long)time(NULL));
+        emit(buf, len, NULL, 0);
+        emit_stacks(hit ? hit->stack : NULL);
     }
-    char buf[600], cmd[160];
-    command_line(cmd, sizeof cmd);
-    const char *name = sig == SIGSEGV ? "SIGSEGV" : "SIGBUS";
-    int len = hit ? snprintf(buf, sizeof buf,
-                             "\n=== quarantine_malloc: access to a freed chunk (%s): pid %d (%s) at %ld, address %p"
-                             " = chunk %p of %lu bytes %+ld\n",
-                             name, (int)getpid(), cmd, (long)time(NULL), (void *)addr, (void *)hit->user,
-                             (unsigned long)hit->n, (long)(addr - hit->user))
-                  : snprintf(buf, sizeof buf,
-                             "\n=== quarantine_malloc: %s at address %p, in no freed guarded chunk (past a guarded"
-                             " chunk's end, or another fault): pid %d (%s) at %ld\n",
-                             name, (void *)addr, (int)getpid(), cmd, (long)time(NULL));
-    emit(buf, len, NULL, 0);
-    emit_stacks(hit ? hit->stack : NULL);
-    struct sigaction *next = &chained[sig == SIGBUS];
-    if ((next->sa_flags & SA_SIGINFO) && next->sa_sigaction)
-        next->sa_sigaction(sig, si, ctx);
-    else if (next->sa_handler != SIG_DFL && next->sa_handler != SIG_IGN)
-        next->sa_handler(sig);
-    signal(sig, SIG_DFL);  // returning runs the faulting access again: the default action, a core
+    fault_handler_on = 0;
+    real_sigaction(SIGSEGV, &chained[0], NULL);
+    real_sigaction(SIGBUS, &chained[1], NULL);
+    if (si->si_code <= 0) raise(sig);  // blocked here: delivered to them once this returns
 }
 
 // on_fault stays first: a SIGSEGV or SIGBUS handler installed through sigaction (Python's faulthandler, Ray's)
 // becomes the one on_fault passes the fault on to, and reads back as installed. The scanner also puts it
 // back in front of one installed otherwise (glibc's signal()).
-static int (*real_sigaction)(int, const struct sigaction *, struct sigaction *);
-static int fault_handler_on;
 
 static void keep_fault_handler(void) {
     if (!guard_min || !real_sigaction) return;

@@ -63,28 +63,35 @@ def test_reload_warning_filter_drops_only_the_expert_bookkeeping_message():
     assert f.filter(_record("Reloading weights inplace..."))
 
 
-# A worker that aborts after capture(): faulthandler, which capture() enabled, writes every thread's stack
-# into the same file.
+# A worker that crashes natively after capture(): glibc finds a double free and aborts; faulthandler, which
+# capture() enabled, writes every thread's stack into the same file.
 CRASH = textwrap.dedent(
     """
-    import os, threading, time
+    import ctypes, threading, time
     from rl.worker_logs import capture
     capture("trainer-rank0")
     print("step 1 done", flush=True)
     threading.Thread(target=time.sleep, args=(60,), name="waiting", daemon=True).start()
-    os.abort()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    p = libc.malloc(48)
+    libc.free(p)
+    libc.free(p)
     """
 )
 
 
 def test_crash_report_is_the_abort_and_every_threads_stack_of_the_last_process(tmp_path):
+    # glibc's own allocator (a heap checker preloaded for a stress run would report the double free instead)
     env = {k: v for k, v in os.environ.items() if k not in (LOG_DIR_ENV, "LD_PRELOAD")}
     env[LOG_DIR_ENV] = str(tmp_path / "logs")
     log = tmp_path / "logs" / "trainer-rank0.log"
     crashed = subprocess.run([sys.executable, "-c", CRASH], capture_output=True, text=True, env=env)
     assert crashed.returncode == -6  # SIGABRT
     report = crash_report(log)
-    assert report.splitlines()[0] == "Fatal Python error: Aborted"
+    assert report.splitlines()[0] == "free(): double free detected in tcache 2"
+    assert "Fatal Python error: Aborted" in report
     assert "step 1 done" not in report  # the run's own output before the crash is not part of it
     assert report.count("Thread 0x") + report.count("Current thread 0x") >= 2  # the sleeping thread too
     # The same role's next process appends its part to the file; alive (or killed without a word), that
