@@ -23,10 +23,11 @@ from pathlib import Path
 LOG_DIR_ENV = "SPARKRL_LOG_DIR"
 
 # The first line a native crash writes: glibc's heap checks (malloc(): ..., free(): ..., double free or
-# corruption, corrupted size ...), faulthandler's report, tests/stress/quarantine_malloc.c's.
+# corruption, corrupted size ...), Ray's handler of a fatal signal (the native stack, before it passes the
+# signal on), faulthandler's report, tests/stress/quarantine_malloc.c's.
 _CRASH_LINE = re.compile(
     r"^(Fatal Python error|malloc(_consolidate)?\(\)|free\(\)|realloc\(\)|munmap_chunk\(\)|double free"
-    r"|corrupted |=== quarantine_malloc)"
+    r"|corrupted |\*\*\* SIG[A-Z]+ received|=== quarantine_malloc)"
 )
 
 

@@ -95,8 +95,10 @@ def test_a_rank_that_crashed_is_reported_with_its_signal_and_stacks(ranks):
     assert lost.value.rank == 1 and f"(its output: {g.outputs[1]}; it crashed:" in message
     assert g.outputs[1].endswith(".err") and "worker-" in g.outputs[1]
     report = message.split("it crashed:\n")[1]
-    # Ray's own handler may print the native stack first; then faulthandler's
-    assert "Fatal Python error: Segmentation fault" in report and "in call" in report  # the stand-in's frame
+    # Ray's handler prints the native stack and passes the signal on to faulthandler: every thread's Python
+    # stack, the stand-in's frame among them
+    assert 0 <= report.find("*** SIGSEGV received") < report.find("Fatal Python error: Segmentation fault")
+    assert "in call" in report
 
 
 def test_a_live_ranks_error_is_raised_once_the_grace_is_over(ranks, monkeypatch):
