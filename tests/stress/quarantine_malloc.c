@@ -32,6 +32,7 @@
 //   LD_PRELOAD=$PWD/quarantine_malloc.so QM_DIR=/tmp/qm python ...   (children and Ray workers inherit it)
 //
 // -fno-builtin: otherwise gcc turns calloc's malloc + memset back into a call to calloc.
+// One file (about 630 lines): it is built and preloaded as one shared object, with nothing to link beside it.
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
