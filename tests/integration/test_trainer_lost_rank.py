@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import time
 
 import pytest
@@ -38,7 +39,8 @@ def ranks(ray_cluster):
             time.sleep(delay_s)
             if behaviour == "die":
                 os._exit(1)
-            if behaviour == "crash":  # a read of address 0: SIGSEGV
+            if behaviour == "crash":  # a read of address 0: SIGSEGV (no core file of it where cores are on)
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
                 ctypes.string_at(0)
             if behaviour == "hang":
                 time.sleep(3600)

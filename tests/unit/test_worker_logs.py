@@ -67,8 +67,9 @@ def test_reload_warning_filter_drops_only_the_expert_bookkeeping_message():
 # capture() enabled, writes every thread's stack into the same file.
 CRASH = textwrap.dedent(
     """
-    import ctypes, threading, time
+    import ctypes, resource, threading, time
     from rl.worker_logs import capture
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file of this crash where core dumps are on
     capture("trainer-rank0")
     print("step 1 done", flush=True)
     threading.Thread(target=time.sleep, args=(60,), name="waiting", daemon=True).start()
