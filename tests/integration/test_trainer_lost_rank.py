@@ -1,10 +1,10 @@
 """TrainerGroup's gather of one call a rank when ranks fail, on a real local Ray instance.
 
 The ranks are stand-in actors (one method that returns, raises, hangs, kills its own process or crashes it
-with a segfault, after a delay): the orders of events here are the ones a real run leaves to timing. A survivor's collective error
-("Connection reset by peer") may reach the driver before Ray reports its peer's death, or after it; a
-live rank may raise while another waits forever in a collective. A real rank lost with its node is
-test_train_e2e.py's.
+with a segfault, after a delay): the orders of events here are the ones a real run leaves to timing. A
+survivor's collective error ("Connection reset by peer") may reach the driver before Ray reports its peer's
+death, or after it; a live rank may raise while another waits forever in a collective. A real rank lost
+with its node is test_train_e2e.py's.
 """
 
 from __future__ import annotations

@@ -348,7 +348,6 @@ static void on_fault(int sig, siginfo_t *si, void *ctx) {
 // on_fault stays first: a SIGSEGV or SIGBUS handler installed through sigaction (Python's faulthandler, Ray's)
 // becomes the one on_fault passes the fault on to, and reads back as installed. The scanner also puts it
 // back in front of one installed otherwise (glibc's signal()).
-
 static void keep_fault_handler(void) {
     if (!guard_min || !real_sigaction) return;
     struct sigaction now, mine = {.sa_sigaction = on_fault, .sa_flags = SA_SIGINFO | SA_ONSTACK};
@@ -591,19 +590,15 @@ void *calloc(size_t a, size_t b) {
 void *realloc(void *p, size_t n) {
     if (!p) return malloc(n);
     struct hdr *h = (struct hdr *)((unsigned char *)p - HDR);
-    if (h->magic == GLIVE) {
-        void *q = ((uintptr_t)p & 63) ? malloc(n) : aligned(64, n);
-        if (!q) return NULL;
-        memcpy(q, p, h->n < n ? h->n : n);
-        free(p);
-        return q;
-    }
-    if (h->magic != LIVE) {
+    if (h->magic != LIVE && h->magic != GLIVE) {
         report("realloc of a pointer this allocator did not return (or a freed one)", p, 0, NULL);
         errno = EINVAL;
         return NULL;
     }
-    void *q = h->off > HDR ? aligned(h->off, n) : malloc(n);
+    // the new chunk keeps the old one's alignment: a heap chunk's offset is its alignment; a guarded chunk
+    // kept at least 64 bytes' where it was asked for (torch's) and 16 otherwise
+    size_t align = h->magic == LIVE ? (h->off > HDR ? h->off : 0) : ((uintptr_t)p & 63 ? 0 : 64);
+    void *q = align ? aligned(align, n) : malloc(n);
     if (!q) return NULL;
     memcpy(q, p, h->n < n ? h->n : n);
     free(p);
