@@ -37,6 +37,7 @@ from rl.compat import hf_checkpoint_state_dict
 from rl.worker_logs import capture, stderr_path
 from trainer import checkpoint_io, logprobs, lora, sharded_load
 from trainer.batching import MicroBatch, check_lengths, in_batch_order, make_micro_batch, pack_micro_batches
+from trainer.gloo import cpu_backend
 from trainer.nvfp4 import is_nvfp4_checkpoint
 from trainer.nvfp4_tensor import gather_frozen
 from trainer.optim import make_optimizer
@@ -74,7 +75,7 @@ class TrainerWorker:
             self.device = torch.device("cpu")
         if not dist.is_initialized():
             dist.init_process_group(
-                "nccl" if use_cuda else "gloo",
+                "nccl" if use_cuda else cpu_backend(),  # gloo with one worker thread (trainer/gloo.py)
                 init_method=f"tcp://{master_addr}:{master_port}",
                 rank=rank,
                 world_size=world_size,

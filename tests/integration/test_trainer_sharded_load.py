@@ -25,11 +25,12 @@ def _rank_main(rank, world, port, path, activation_checkpointing, out_dir):
     from torch.distributed.tensor import DTensor
 
     from trainer import sharded_load
+    from trainer.gloo import cpu_backend
     from trainer.lora import apply_lora
     from trainer.parallelize import parallelize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group(cpu_backend(), rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
         base = sharded_load.build_empty_model(path, torch.bfloat16)
