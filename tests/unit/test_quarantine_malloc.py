@@ -135,7 +135,9 @@ def test_a_matching_process_grows_its_quarantine_and_catches_a_late_write(preloa
 # written there and then freed (f).
 GUARDED = (
     CHUNK
-    + """ctypes.memset(p, 7, size)
+    + """import resource
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the faults are on purpose: no core file of them
+ctypes.memset(p, 7, size)
 if mode in "wr":
     libc.free(p)
 if mode == "r":
