@@ -21,10 +21,17 @@ import datetime
 
 import torch.distributed as dist
 
-BACKEND = "gloo_threads1"
+
+def backend_with_threads(threads: int) -> str:
+    """The name of a backend that is ProcessGroupGloo with `threads` worker threads, registered on first use
+    (for `init_process_group`)."""
+    name = f"gloo_threads{threads}"
+    if name not in dist.Backend.backend_list:
+        dist.Backend.register_backend(name, _gloo_with_threads(threads), devices=["cpu"])
+    return name
 
 
-def gloo_with_threads(threads: int):
+def _gloo_with_threads(threads: int):
     """A `Backend.register_backend` creator: ProcessGroupGloo on the default device with `threads` workers."""
 
     def create(store, rank: int, size: int, timeout: datetime.timedelta):
@@ -38,7 +45,5 @@ def gloo_with_threads(threads: int):
 
 
 def cpu_backend() -> str:
-    """The backend name to give `init_process_group` for CPU ranks (registered on first use)."""
-    if BACKEND not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND, gloo_with_threads(1), devices=["cpu"])
-    return BACKEND
+    """The backend name to give `init_process_group` for CPU ranks: gloo with one worker thread."""
+    return backend_with_threads(1)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.gloo import gloo_with_threads
+from trainer.gloo import backend_with_threads
 from trainer.rendezvous import free_port
 
 SHAPES = [(64, 32), (8, 16, 32), (34, 7), (128,), (4, 64, 8), (2, 3)] * 8
@@ -37,10 +37,7 @@ def _rank_main(rank, world, port, seconds, threads):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    backend = "gloo"
-    if threads is not None:
-        backend = f"gloo_threads{threads}"
-        dist.Backend.register_backend(backend, gloo_with_threads(threads), devices=["cpu"])
+    backend = "gloo" if threads is None else backend_with_threads(threads)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))

@@ -54,7 +54,7 @@ wait $demo_pid; demo_rc=$?
 wait $e2e_pid; e2e_rc=$?
 cat "$out/demo.loop" "$out/e2e.loop"
 
-cores=$(find . "$out" -maxdepth 3 -name 'core*' -type f -newer "$out/.start" 2>/dev/null)
+cores=$(find . "$out" -maxdepth 3 -type f \( -name core -o -name 'core.[0-9]*' \) -newer "$out/.start" 2>/dev/null)
 for core in $cores; do
   echo "core file $core:"
   if command -v gdb > /dev/null; then
