@@ -6,22 +6,24 @@
 #   demo: the demo recipe on batches of 16 prompts x 8 samples, no evaluation
 #   e2e:  the e2e test's shape: 4 prompts x 4 samples, PPO mini-batches of 2, a checkpoint every 2 steps and an
 #         evaluation every 2 (tests/integration/conftest.py SMALL, test_train_e2e.py THREE_STEPS)
-# Each shape starts its next run (a new seed) when one ends, until MINUTES have passed. A run that fails stops
-# the loop: its output ends with the driver's error, which for a lost trainer rank carries the rank's crash
-# report (glibc's line, Ray's native stack, every thread's Python stack). A core file the crash left is opened
-# with gdb, where it is installed, for every thread's native stack.
-#   tests/stress/long_runs.sh [MINUTES=120]
+# Each shape starts its next run (a new seed) when one ends, until MINUTES have passed; with STEPS, a run ends
+# after that many trainer steps (its final evaluation and export included), so a loop is many runs in a row.
+# A run that fails stops the loop: its output ends with the driver's error, which for a lost trainer rank
+# carries the rank's crash report (glibc's line, Ray's native stack, every thread's Python stack). A core file
+# the crash left is opened with gdb, where it is installed, for every thread's native stack.
+#   tests/stress/long_runs.sh [MINUTES=120] [STEPS=100000]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 minutes=${1:-120}
+steps_per_run=${2:-100000}
 end=$(( $(date +%s) + 60 * minutes ))
 out=$(mktemp -d)
 touch "$out/.start"  # core files newer than this are this loop's
 ulimit -c unlimited
-echo "runs under $out for $minutes min; core files go to: $(cat /proc/sys/kernel/core_pattern)"
+echo "runs of $steps_per_run steps under $out for $minutes min; core files go to: $(cat /proc/sys/kernel/core_pattern)"
 
 common=(monitor.k3_kl_max=0 monitor.k3_kl_trend_max=0 trainer.lr=1e-3 logging.tensorboard=false
-        trainer.total_steps=100000)
+        trainer.total_steps=$steps_per_run)
 demo=(data.train_batch_size=16 eval.every=0 eval.at_start=false trainer.checkpoint_every=0)
 e2e=(data.train_batch_size=4 rollout.n=4 data.arith.eval_rows=8 eval.k=4 eval.every=2
      trainer.mini_batch_size=2 trainer.checkpoint_every=2)
