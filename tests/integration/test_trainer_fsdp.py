@@ -189,6 +189,19 @@ def test_two_ranks_match_the_single_process_reference(group, reference, batch, t
         torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_cpu_ranks_use_gloo_with_one_worker_thread(group):
+    """TrainerWorker's process group on CPU is trainer/gloo.py's: torch's gloo with two worker threads
+    corrupted a rank's heap now and then."""
+
+    def process_group(worker) -> tuple[str, int]:  # defined here: Ray pickles it by value
+        import torch.distributed as dist
+
+        return dist.get_backend(), dist.group.WORLD._get_backend(torch.device("cpu")).options._threads
+
+    per_rank = ray.get([w.__ray_call__.remote(process_group) for w in group.workers])
+    assert per_rank == [("gloo_threads1", 1)] * 2
+
+
 def test_bad_input_is_named_and_no_rank_hangs(group, batch, tmp_path):
     samples, advantages, _, _ = batch
     long = random_samples(1, seed=5, prompt_len=(20, 21), response_len=(20, 21))
