@@ -11,11 +11,8 @@ the trainer's, trainer/gloo.py, 1).
 A rank that dies of a signal (SIGSEGV, or SIGABRT from glibc's heap checks) fails the run; with
 `ulimit -c unlimited` it leaves a core.
 
-Seen on the 2-core machine, about 1,000 gathers a second alone: with torch's 2 worker threads a rank died
-after about 535,000 gathers (SIGSEGV in malloc on gloo's transport thread) and, with other runs sharing the
-machine, after about 280,000 (`free(): invalid pointer` in gloo's UnboundBuffer destructor on a worker
-thread), and a third run passed 350,000 (these with an earlier form of this script, the same gathers);
-with --threads 1, 1,986,288 gathers in three runs (22, 20 and 20 minutes) and no crash.
+On the 2-core machine it does about 1,000 gathers a second alone. What it showed at 2 worker threads and at 1
+is in trainer/gloo.py.
 """
 
 from __future__ import annotations
