@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 
+import torch
 import torch.distributed as dist
 
 
@@ -46,6 +47,11 @@ def _gloo_with_threads(threads: int):
         return dist.ProcessGroupGloo(store, rank, size, options)
 
     return create
+
+
+def worker_threads() -> int:
+    """The default process group's ProcessGroupGloo worker threads."""
+    return dist.group.WORLD._get_backend(torch.device("cpu")).options._threads
 
 
 def cpu_backend() -> str:

@@ -20,6 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 
 from rl.models.tiny import make_tiny
+from trainer.gloo import cpu_backend
 from trainer.lora import apply_lora
 from trainer.lora_experts import GroupedLoraExperts
 from trainer.parallelize import parallelize
@@ -48,7 +49,7 @@ def grouped_on_cpu():
 def mesh():
     if dist.is_initialized():
         pytest.fail("a process group is already up in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(cpu_backend(), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield init_device_mesh("cpu", (1,))
     dist.destroy_process_group()
 

@@ -196,7 +196,9 @@ def test_cpu_ranks_use_gloo_with_one_worker_thread(group):
     def process_group(worker) -> tuple[str, int]:  # defined here: Ray pickles it by value
         import torch.distributed as dist
 
-        return dist.get_backend(), dist.group.WORLD._get_backend(torch.device("cpu")).options._threads
+        from trainer.gloo import worker_threads
+
+        return dist.get_backend(), worker_threads()
 
     per_rank = ray.get([w.__ray_call__.remote(process_group) for w in group.workers])
     assert per_rank == [("gloo_threads1", 1)] * 2

@@ -18,12 +18,12 @@ def _rank_main(rank, world, port, backend_name, out_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from trainer.gloo import cpu_backend
+    from trainer.gloo import cpu_backend, worker_threads
 
     backend = cpu_backend() if backend_name == "trainer" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        threads = dist.group.WORLD._get_backend(torch.device("cpu")).options._threads
+        threads = worker_threads()
         torch.manual_seed(0)
         # 7 rows over 2 ranks: an uneven shard
         model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)), torch.nn.Linear(16, 7))

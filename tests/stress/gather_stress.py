@@ -6,8 +6,8 @@ corruption of the CPU trainer.
 
 Each round gathers 48 tensors of 6 shapes, one all-gather at a time: torch waits on each before
 `full_tensor()` returns. Every gathered tensor is compared with the full one.
---threads N: ProcessGroupGloo's worker threads, through a backend registered here (torch's "gloo" has 2;
-the trainer's, trainer/gloo.py, 1).
+--threads N: ProcessGroupGloo's worker threads, through trainer/gloo.py's backend_with_threads (torch's
+"gloo" has 2; the trainer's, cpu_backend, 1).
 A rank that dies of a signal (SIGSEGV, or SIGABRT from glibc's heap checks) fails the run; with
 `ulimit -c unlimited` it leaves a core.
 
