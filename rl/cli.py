@@ -81,11 +81,28 @@ def _train(args: argparse.Namespace) -> int:
         _check_resume_config(cfg, rdir)
     preflight(cfg)
     print(f"run: {rdir}", flush=True)
-    from rl.driver import train
+    from rl.driver import StoppedAtOnce, train
 
-    summary = train(cfg, resume=args.resume)
+    try:
+        summary = train(cfg, resume=args.resume)
+    except KeyboardInterrupt as e:  # a second signal, or Ctrl-C before the run's own handlers were in place
+        from rl.checkpoint import latest_checkpoint
+
+        name = e.signal_name if isinstance(e, StoppedAtOnce) else "SIGINT"
+        ckpt = latest_checkpoint(rdir, report=lambda line: None)
+        then = f"the newest checkpoint is {ckpt.name}" if ckpt else "no checkpoint was written"
+        print(f"sparkrl train: {str(e) or name + ': stopped'}; {then}", file=sys.stderr)
+        return stop_exit_code(name)
     print_summary(summary)
-    return 0
+    return stop_exit_code(summary["stopped_by"]) if summary.get("stopped_by") else 0
+
+
+def stop_exit_code(signal_name: str) -> int:
+    """128 + the signal's number, as a shell reports a process the signal ended: 130 for SIGINT, 143 for
+    SIGTERM. A run stopped by a signal is not a finished run, and a scheduler can tell the two apart."""
+    import signal
+
+    return 128 + int(signal.Signals[signal_name])
 
 
 def _check_resume_config(cfg, rdir) -> None:
@@ -112,7 +129,14 @@ def _check_resume_config(cfg, rdir) -> None:
 
 def print_summary(s: dict) -> None:
     """One line for the run (steps, time, the held-out rise, the KL), then where the report and logs are."""
-    parts = [f"done: {s['steps']} steps in {s['seconds'] / 60:.1f} min"]
+    ran = s["steps"] - s.get("first_step", 1) + 1  # the steps this invocation ran
+    which = {0: "no step", 1: f"step {s['steps']}"}.get(ran, f"steps {s['first_step']}-{s['steps']}")
+    if s.get("stopped_by"):
+        head = f"stopped at step {s['steps']} of {s['total_steps']} by {s['stopped_by']} (checkpoint written)"
+        tail = f"; continue with `sparkrl train {s['run_dir']} --resume`"
+    else:
+        head, tail = f"done: {s['steps']} of {s['total_steps']} steps", ""
+    parts = [f"{head}: {ran} this run ({which}) in {s['seconds'] / 60:.1f} min{tail}"]
     if s.get("eval_key"):
         name = s["eval_key"].rsplit("/", 1)[-1]
         parts.append(

@@ -27,12 +27,13 @@ import torch
 
 from rl import algo
 from rl.batch import RoutingLost, Sample
-from rl.checkpoint import latest_checkpoint, load_driver_state, save_checkpoint
+from rl.checkpoint import Checkpoints, latest_checkpoint, load_driver_state
 from rl.config import MAX_DRAWS, SparkConfig, run_dir, save_config
 from rl.data.loader import Prompt, PromptLoader
 from rl.metrics import MetricsLogger
 from rl.monitor import KLMonitor, StopRun
 from rl.rollout_ahead import RolloutAhead
+from rl.rollout_records import flat_group_fraction, flat_reward_warning, rollout_rows, write_rollouts
 from rl.setup import build_components, prompt_requests, sampling_spec
 
 # Step-dependent sampling seeds: distinct per (run seed, step, draw), identical on a resumed run.
@@ -62,6 +63,10 @@ class Run:
         self.cfg = cfg
         self.dir = run_dir(cfg)
         self._check_run_dir(resume)
+        self.checkpoints = Checkpoints(self.dir, cfg.trainer.keep_checkpoints)
+        # Before Ray starts: a run with nothing that verifies is an error here, and what lies above the
+        # resume point is moved aside before this run writes checkpoints of those steps.
+        resume_from = self.checkpoints.for_resume() if resume else None
         self.dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.dir / "config.yaml")
         c = build_components(cfg, self.dir)  # tokenizer, data, Ray, rollout pool, trainer group, reward
@@ -75,6 +80,7 @@ class Run:
         self.eval_prompts: list[Prompt] = c.eval_prompts
         self.monitor = KLMonitor(cfg.monitor.k3_kl_max, cfg.monitor.k3_kl_trend_max, cfg.monitor.trend_window)
         self.step, self.version, self.skipped_in_a_row, self.skipped_total = 0, 0, 0, 0
+        self.flat_steps_in_a_row = 0  # steps in a row whose every group had equal rewards
         self.eval_history: list[tuple[int, dict]] = []
         # rollout.max_staleness > 0: the next batches are generated while the trainer updates
         self.ahead = (
@@ -82,8 +88,10 @@ class Run:
             if cfg.rollout.max_staleness
             else None
         )
-        if resume and (ckpt := latest_checkpoint(self.dir)) is not None:  # the newest that verifies
-            self._resume(ckpt)
+        if resume_from is not None:
+            self._resume(resume_from)
+        elif resume:
+            print(f"resume: {self.dir} recorded no step and has no checkpoint; starting at step 0")
         elif self.ahead is not None:
             self.ahead.publish(0, self._export_weights())  # a batch of version 0 generated again needs it
         self.log = MetricsLogger(
@@ -96,6 +104,7 @@ class Run:
             cfg.logging.wandb_entity,
             cfg.run.name,
         )
+        self.start_step = self.step  # where this invocation began (the summary counts its own steps)
         self._stop_signal: str | None = None
 
     # ------------------------------------------------------------------------------------------------
@@ -194,6 +203,36 @@ class Run:
         metrics.update(train_metrics)
         sent = trainer_calls * sum(s.payload_bytes() for s in samples)
         metrics["perf/driver_bytes"] = received_bytes + sent + sum(x.nbytes for x in logp)
+        self._check_flat_rewards(step, metrics)
+        every = self.cfg.logging.rollouts_every
+        if every and step % every == 0:
+            self._record_rollouts(step, samples, logp)
+
+    def _record_rollouts(self, step: int, samples: list[Sample], logp: list[np.ndarray]) -> None:
+        """The trained samples, as text with their rewards and k3, to rollouts/step_<N>.jsonl and the
+        trackers (logging.rollouts_*)."""
+        lg = self.cfg.logging
+        t, r, mask = mismatch_tensors(logp, samples)
+        sums, counts = algo.k3_sequence_sums(t, r, mask)
+        k3 = [float(a / n) if n > 0 else None for a, n in zip(sums.tolist(), counts.tolist())]
+        rows = rollout_rows(step, samples, k3, self.tokenizer, lg.rollouts_per_step, lg.rollouts_max_chars)
+        write_rollouts(self.dir, step, rows)
+        self.log.log_rollouts(step, rows)
+
+    def _check_flat_rewards(self, step: int, metrics: dict) -> None:
+        """Warn of a step whose every group had equal rewards (no gradient), louder after
+        monitor.flat_reward_steps of them in a row."""
+        flat = metrics.get("batch/flat_group_frac", 0.0) >= 1.0
+        self.flat_steps_in_a_row = self.flat_steps_in_a_row + 1 if flat else 0
+        warning = flat_reward_warning(
+            step,
+            self.flat_steps_in_a_row,
+            self.cfg.monitor.flat_reward_steps,
+            metrics.get("reward/mean", float("nan")),
+            self.dir,
+        )
+        if warning:
+            self.log.event(warning)
 
     def _step_times(self, metrics, samples, gen_s, t0, t_rollout, t_train, t_sync, t_end) -> dict:
         """A step's perf/* split and token rates, the adapter version it ends at and its learning rate."""
@@ -470,15 +509,10 @@ class Run:
             "loader": self.ahead.loader_state() if self.ahead is not None else self.loader.state_dict(),
             "monitor": self.monitor.state_dict(),
             "skipped_total": self.skipped_total,
+            "flat_steps_in_a_row": self.flat_steps_in_a_row,
             "eval_history": self.eval_history,
         }
-        path = save_checkpoint(
-            self.dir,
-            self.step,
-            state,
-            lambda d: self.trainer.save_checkpoint(str(d)),
-            keep=self.cfg.trainer.keep_checkpoints,
-        )
+        path = self.checkpoints.save(self.step, state, lambda d: self.trainer.save_checkpoint(str(d)))
         self.log.event(f"checkpoint: {path}")
         return path
 
@@ -489,6 +523,7 @@ class Run:
         self.loader.load_state_dict(state["loader"])
         self.monitor.load_state_dict(state["monitor"])
         self.skipped_total = state.get("skipped_total", 0)
+        self.flat_steps_in_a_row = state.get("flat_steps_in_a_row", 0)
         self.eval_history = [tuple(x) for x in state.get("eval_history", [])]
         print(f"resume: from {ckpt} (step {self.step}, adapter version {self.version})")
         if self.ahead is not None:
@@ -524,7 +559,7 @@ class Run:
 
         def handler(signum, frame):
             if self._stop_signal:  # second signal: stop now
-                raise KeyboardInterrupt
+                raise StoppedAtOnce(signal.Signals(signum).name, self.step)
             self._stop_signal = signal.Signals(signum).name
             self.log.event(
                 f"[yellow]{self._stop_signal}: finishing step {self.step}, then checkpoint and exit "
@@ -544,7 +579,10 @@ class Run:
         kls = [r["rollout_corr/k3_kl"] for r in records if isinstance(r.get("rollout_corr/k3_kl"), float)]
         out = {
             "run_dir": str(self.dir),
-            "steps": self.step,
+            "steps": self.step,  # the step the run has reached
+            "first_step": self.start_step + 1,  # the first step this invocation ran
+            "total_steps": self.cfg.trainer.total_steps,
+            "stopped_by": self._stop_signal,  # SIGINT or SIGTERM when a signal stopped it (checkpoint written)
             "seconds": round(seconds, 1),
             "k3_kl_mean": float(np.mean(kls)) if kls else None,
             "k3_kl_max": max(kls) if kls else None,
@@ -611,8 +649,17 @@ def batch_metrics(all_samples: list[Sample], kept: list[Sample], max_response_le
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float(np.mean([s.finish_reason == "length" for s in all_samples])),
         "batch/kept_groups": len({s.group for s in kept}),
+        "batch/flat_group_frac": flat_group_fraction(all_samples),
         "batch/samples": len(kept),
     }
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM: the run stops where it is, without a checkpoint of the step under way."""
+
+    def __init__(self, signal_name: str, step: int):
+        super().__init__(f"{signal_name} again: stopped at once during step {step}")
+        self.signal_name, self.step = signal_name, step
 
 
 def train(cfg: SparkConfig, resume: bool = False) -> dict:

@@ -27,6 +27,7 @@ import itertools
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -383,19 +384,50 @@ def final_metrics_table(
 # ----------------------------------------------------------------------------------------------------
 
 
+# `sparkrl train`'s exit codes for a run a signal stopped after its checkpoint (rl.cli.stop_exit_code).
+STOPPED_EXIT = {128 + int(s): s.name for s in (signal.SIGINT, signal.SIGTERM)}
+
+
 def run_local(sweep: Sweep, python: str = sys.executable, fail_fast: bool = False) -> dict[str, str]:
     """Each point in turn as `python -m rl train BASE overrides...` in this working directory.
-    Returns run dir -> 'ok' or 'FAILED (exit N)'."""
+    Returns run dir -> 'ok', 'FAILED (exit N)', or 'STOPPED by SIG...' for a run a signal stopped (the
+    sweep stops there: the runs after it are not started)."""
     status = {}
     for p in sweep.points:
         cfg = point_config(sweep, p)
         cmd = [python, "-m", "rl", "train", str(sweep.base), *p.overrides]
         print(f"sweep: [{p.index + 1}/{len(sweep.points)}] {p.name}", flush=True)
-        rc = subprocess.run(cmd).returncode
+        rc = run_forwarding_signals(cmd)
+        if rc in STOPPED_EXIT:
+            status[str(run_dir(cfg))] = f"STOPPED by {STOPPED_EXIT[rc]}"
+            print(
+                f"sweep: {p.name} stopped by {STOPPED_EXIT[rc]} after its checkpoint (continue it with "
+                f"`sparkrl train {run_dir(cfg)} --resume`); the sweep stops here",
+                flush=True,
+            )
+            break
         status[str(run_dir(cfg))] = "ok" if rc == 0 else f"FAILED (exit {rc})"
         if rc != 0 and fail_fast:
             break
     return status
+
+
+def run_forwarding_signals(cmd: list[str]) -> int:
+    """Run `cmd` in a session of its own and hand it each SIGINT/SIGTERM the sweep gets, once: a run stops
+    on its first signal after a checkpoint and at once on a second, so the terminal's Ctrl-C (sent to the
+    whole foreground group) must not reach it twice, through the group and through the sweep."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+
+    def forward(signum, frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_submitted(sweep: Sweep, args: argparse.Namespace) -> dict[str, str]:
@@ -464,6 +496,9 @@ def main(args: argparse.Namespace) -> int:
     finished = [Path(d) for d in status if (Path(d) / "metrics.jsonl").is_file()]
     if finished and not args.no_report:
         write_sweep_report(finished)
+    stopped = [s for s in status.values() if s.startswith("STOPPED by ")]
+    if stopped:  # as `sparkrl train` exits for a run a signal stopped: 130 (SIGINT) or 143 (SIGTERM)
+        return next(rc for rc, name in STOPPED_EXIT.items() if stopped[0].endswith(name))
     return 0 if all(s == "ok" for s in status.values()) and len(status) == len(sweep.points) else 1
 
 

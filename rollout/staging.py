@@ -11,7 +11,9 @@ driver names the directory; each worker resolves the name on its node, so no pat
 from __future__ import annotations
 
 import getpass
+import hashlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -32,14 +34,28 @@ def stage_base() -> Path:
     return Path(tempfile.gettempdir())
 
 
+# What a name keeps as it is in the staging directory's name; the rest becomes '_'.
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.+=,-]")
+_MAX_NAME = 80
+
+
+def stage_dir_name(name: str) -> str:
+    """A file name for any run name: a sweep's `<sweep>/<point>` (slashes), a user's spaces or dots, a long
+    name. Kept as it is when already safe and short; otherwise made safe and cut, with a hash of the whole
+    name so that two names that differ only in the parts replaced or cut stay apart."""
+    safe = _UNSAFE.sub("_", name)[:_MAX_NAME].lstrip(".") or "run"
+    if safe == name:
+        return safe
+    return f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:10]}"
+
+
 def stage_root(stage: str | Path) -> Path:
-    """The staging directory `stage` names on the calling node: an absolute path as it is; a name (a run's)
-    `<stage_base()>/sparkrl-<user>-<name>`."""
+    """The staging directory `stage` names on the calling node: an absolute path as it is; a name (a run's,
+    whatever characters it holds) `<stage_base()>/sparkrl-<user>-<stage_dir_name(name)>`."""
     if Path(stage).is_absolute():
         return Path(stage)
-    if "/" in str(stage) or str(stage) in ("", ".", ".."):
-        raise ValueError(f"stage directory name {stage!r}: expected an absolute path or a plain name")
-    return stage_base() / f"sparkrl-{getpass.getuser()}-{stage}"
+    user = _UNSAFE.sub("_", getpass.getuser())
+    return stage_base() / f"sparkrl-{user}-{stage_dir_name(str(stage))}"
 
 
 class StageDir:

@@ -25,11 +25,29 @@ def test_a_name_is_resolved_under_the_nodes_own_base(monkeypatch, tmp_path):
     )
 
 
-def test_an_absolute_path_is_kept_and_a_path_like_name_is_refused(tmp_path):
+def test_an_absolute_path_is_kept_and_any_run_name_gives_one_directory_of_its_own(monkeypatch, tmp_path):
+    """A sweep names its runs `<sweep>/<point>`; users give names with spaces, dots and any length. Each
+    resolves to one directory directly under the node's base, and names that differ stay apart."""
     assert stage_root(tmp_path / "mine") == tmp_path / "mine"
-    for bad in ("runs/demo", "..", ""):
-        with pytest.raises(ValueError, match="absolute path or a plain name"):
-            stage_root(bad)
+    monkeypatch.setenv(STAGE_DIR_ENV, str(tmp_path / "node"))
+    names = [
+        "tinysweep/lr=0.004",
+        "tinysweep/lr=0.002",
+        "tinysweep_lr=0.004",
+        "..",
+        "",
+        "../../etc",
+        "my run ünïcode",
+        "x" * 300,
+        "x" * 301,
+    ]
+    roots = [stage_root(n) for n in names]
+    for name, root in zip(names, roots):
+        assert root.parent == tmp_path / "node", name
+        assert len(root.name) < 255 and not root.name.startswith("."), name
+        StageDir(root).stage("adapter", lambda d: (d / "w").write_text("1"))
+    assert len(set(roots)) == len(names)
+    assert stage_root("demo").name == f"sparkrl-{getpass.getuser()}-demo"  # a plain name reads as itself
 
 
 def test_a_version_is_published_whole_and_replaces_the_older(tmp_path):
