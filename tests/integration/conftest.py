@@ -1,14 +1,17 @@
 """Shared by the GRPO run tests (test_train_e2e.py, test_train_runs.py): a small demo config, a local Ray
-instance a module, and a Ray cluster of one-CPU nodes a module that tests can take nodes from."""
+instance a module, and a Ray cluster of one-CPU nodes a module that tests can take nodes from; and, for
+the sweep tests, a sweep file of one-step demo runs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from rl.config import load_config
 
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
     "data.train_batch_size=4",
     "rollout.n=4",
@@ -101,6 +104,34 @@ def node_cluster():
         c.shutdown()
         env.undo()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# One small step of the CPU demo a run, for tests of the paths a run takes (jobs, sweeps), not its learning.
+ONE_STEP_DEMO = {
+    "trainer.total_steps": 1,
+    "data.train_batch_size": 4,
+    "rollout.n": 4,
+    "eval.every": 0,
+    "eval.at_start": False,
+    "trainer.checkpoint_every": 0,
+    "logging.tensorboard": False,
+}
+
+
+@pytest.fixture(scope="session")
+def one_step_sweep():
+    """write(path, name): a sweep file of the CPU demo (absolute base) at `path` named `name`, ONE_STEP_DEMO
+    for every run and a grid of two learning rates: runs `<name>/lr=1e-3` and `<name>/lr=4e-3`."""
+
+    def write(path: Path, name: str) -> Path:
+        overrides = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in ONE_STEP_DEMO.items())
+        path.write_text(
+            f"base: {ROOT / 'recipes' / 'demo_cpu.yaml'}\nname: {name}\noverrides:\n{overrides}"
+            "grid: {trainer.lr: [1.0e-3, 4.0e-3]}\n"
+        )
+        return path
+
+    return write
 
 
 @pytest.fixture(scope="session")

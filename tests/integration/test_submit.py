@@ -308,88 +308,37 @@ def test_submit_command_no_wait_then_wait(ray_cluster, tmp_path, monkeypatch, ca
 
 
 @pytest.mark.slow
-def test_submit_demo_one_step(ray_cluster, tmp_path):
-    """`sparkrl submit recipes/demo_cpu.yaml` with one small step to the two-node cluster, followed to SUCCEEDED;
-    the workers' logs (one a worker, each naming its node) show that the run spanned both nodes."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "rl",
-        "submit",
-        "recipes/demo_cpu.yaml",
-        "trainer.total_steps=1",
-        "data.train_batch_size=4",  # one step of 4 prompts x 4 samples: the job's path, not the learning
-        "rollout.n=4",
-        "eval.every=0",
-        "eval.at_start=false",
-        "trainer.checkpoint_every=0",
-        "logging.tensorboard=false",
-        "--address",
-        ray_cluster,
-        "--runs-root",
-        str(tmp_path),
-    ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=_env_without_ray_address()
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "SUCCEEDED" in proc.stdout
-    lines = (tmp_path / "demo_cpu" / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    assert [r["step"] for r in records] == [1]
-    heads = [p.read_text().splitlines()[0] for p in (tmp_path / "demo_cpu" / "logs").glob("*.log")]
-    nodes = {h.rsplit("node ", 1)[1].rstrip(" -)") for h in heads if "node " in h}
-    # the head reports the machine's routable address (Ray's choice for 127.0.0.1), the worker its own
-    assert len(nodes) == 2 and WORKER_IP in nodes, heads
-
-
-def test_sweep_through_submit_collects_final_metrics(ray_cluster, tmp_path, monkeypatch, capsys):
-    """`sparkrl sweep` without --local: one Ray job per point, then the table. The train entrypoint is
-    swapped for a stand-in that writes the run's metrics.jsonl where `run.dir` says."""
+def test_sweep_through_submit_trains_every_point(ray_cluster, tmp_path, monkeypatch, capsys, one_step_sweep):
+    """`sparkrl sweep` without --local: a 2-point grid of the CPU demo, one Ray job a point on the two-node
+    cluster, each training for real under its point's name (`rs/lr=...`: a slash, which each node's
+    rollout workers stage under a name of their own); then the table and the side-by-side report. The
+    workers' logs (one a worker, each naming its node) show that a run spanned both nodes."""
     from rl import sweep as S
 
-    real = submit.train_command
-
-    def stand_in(recipe, overrides, **kw):
-        cmd = real(recipe, overrides, **kw)
-        lr = next(a.split("=", 1)[1] for a in cmd.argv if a.startswith("trainer.lr="))
-        code = (
-            "import json, os, sys; d = sys.argv[1]; os.makedirs(d, exist_ok=True); "
-            "open(os.path.join(d, 'metrics.jsonl'), 'w').write("
-            "json.dumps({'step': 3, 'reward/mean': float(sys.argv[2]) * 1000}) + '\\n')"
-        )
-        cmd.argv = [kw.get("python", sys.executable), "-c", code, str(cmd.run_dir), lr]
-        return cmd
-
-    monkeypatch.setattr(submit, "train_command", stand_in)
-    sweep_file = tmp_path / "s.yaml"
-    sweep_file.write_text(
-        f"base: {ROOT / 'recipes' / 'demo_cpu.yaml'}\nname: rs\ngrid: {{trainer.lr: [1.0e-4, 3.0e-4]}}\n"
-    )
+    sweep_file = one_step_sweep(tmp_path / "s.yaml", "rs")
     monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     parser = argparse.ArgumentParser(prog="sparkrl")
     S.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(
-        [
-            "sweep",
-            str(sweep_file),
-            "--address",
-            ray_cluster,
-            "--runs-root",
-            str(tmp_path / "runs"),
-            "--max-concurrent",
-            "2",
-            "--no-report",
-        ]
+        ["sweep", str(sweep_file), "--address", ray_cluster, "--runs-root", str(tmp_path / "runs")]
     )
-    assert args.func(args) == 0
+    assert args.func(args) == 0, capsys.readouterr().out[-4000:]
     out = capsys.readouterr().out
     assert out.count(": SUCCEEDED") == 2
-    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(str(tmp_path))}
-    assert rows == {
-        str(tmp_path / "runs" / "rs" / "lr=1e-4"): ["3", "0.1", "ok"],
-        str(tmp_path / "runs" / "rs" / "lr=3e-4"): ["3", "0.3", "ok"],
-    }
+    runs = [tmp_path / "runs" / "rs" / "lr=1e-3", tmp_path / "runs" / "rs" / "lr=4e-3"]
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(str(tmp_path))}
+    assert set(rows) == {str(r) for r in runs}
+    assert all(row[1] == "1" and row[-1] == "ok" for row in rows.values())
+    for run in runs:
+        assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+        assert (run / "rollouts" / "step_1.jsonl").is_file()
+    report = (tmp_path / "runs" / "rs" / "report" / "report.md").read_text()
+    assert "rs/lr=1e-3" in report and "rs/lr=4e-3" in report
+    heads = [p.read_text().splitlines()[0] for p in (runs[0] / "logs").glob("*.log")]
+    nodes = {h.rsplit("node ", 1)[1].rstrip(" -)") for h in heads if "node " in h}
+    # the head reports the machine's routable address (Ray's choice for 127.0.0.1), the worker its own
+    assert len(nodes) == 2 and WORKER_IP in nodes, heads
 
 
 class _AgentNotUpClient:

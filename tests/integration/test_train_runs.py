@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from rl.checkpoint import latest_checkpoint
+from rl.checkpoint import WHY, checkpoint_dirs, latest_checkpoint
 from rl.metrics import read_metrics
+from rl.rollout_records import ROW_KEYS, read_rollouts
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
@@ -119,6 +125,7 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_stops(dense_run, node
     run_dir, printed = dense_run.dir, dense_run.printed
     assert dense_run.handler_back
     assert dense_run.summary["steps"] == 2 and _steps(run_dir) == [1, 2]
+    assert dense_run.summary["stopped_by"] == "SIGTERM" and dense_run.summary["first_step"] == 1
     state = json.loads((run_dir / "checkpoints" / "step_2" / "driver_state.json").read_text())
     assert state["step"] == 2
     # The ranks, whose nodes run them in directories of their own, wrote under the driver's relative run.dir.
@@ -131,3 +138,59 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_stops(dense_run, node
 
 def _steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run_dir)] if (run_dir / "metrics.jsonl").exists() else []
+
+
+def test_every_step_writes_its_samples_as_text(dense_run):
+    """rollouts/step_<N>.jsonl: the trained samples with their text, reward, k3 and generating adapter."""
+    for step in (1, 2):
+        rows = read_rollouts(dense_run.dir, step)
+        assert len(rows) == 16 and all(tuple(r) == ROW_KEYS for r in rows)  # 4 groups x 4, under the cap
+        assert {r["adapter_version"] for r in rows} == {step - 1}
+        assert all(r["step"] == step and r["response"] and r["prompt"] for r in rows)
+        assert all(r["k3_kl"] is not None and 0 <= r["k3_kl"] < 1e-2 for r in rows)
+        assert {r["reward"] for r in rows} <= {-1.0, 1.0}
+
+
+def test_resume_past_a_damaged_checkpoint_keeps_the_good_one(dense_run, tmp_path, node_cluster, capsys):
+    """A copy of the SIGTERM'd run holds step_2 (good) and a step_4 whose adapter is truncated (a damaged
+    checkpoint above it). `--resume` to step 3 with keep_checkpoints 2 takes step_2, moves step_4 aside
+    with its fault, runs step 3 and keeps step_2 and step_3: the damaged one never counts as recent. With
+    every checkpoint then damaged, `sparkrl train RUN --resume` is an error naming each one, and the run
+    directory is as it was."""
+    from rl.cli import load_target
+    from rl.driver import train
+
+    run = tmp_path / "dense"
+    shutil.copytree(dense_run.dir, run)
+    ckpts = run / "checkpoints"
+    shutil.copytree(ckpts / "step_2", ckpts / "step_4")
+    adapter = ckpts / "step_4" / "trainer" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:64])
+
+    cfg = load_target(str(run), ["trainer.total_steps=3"])
+    assert cfg.trainer.keep_checkpoints == 2
+    summary = train(cfg, resume=True)
+    out = capsys.readouterr()
+    assert "moved step_4 aside" in out.err and "truncated" in out.err
+    assert summary["first_step"] == 3 and summary["steps"] == 3 and summary["stopped_by"] is None
+    assert [s for s, _ in checkpoint_dirs(run)] == [2, 3]
+    assert "adapter_model.safetensors" in (ckpts / "damaged" / "step_4" / WHY).read_text()
+    assert _steps(run) == [1, 2, 3]
+
+    for step in (2, 3):
+        f = ckpts / f"step_{step}" / "trainer" / "optimizer.pt"
+        f.write_bytes(f.read_bytes()[:-1])
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl", "train", str(run), "--resume"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "no checkpoint that verifies" in proc.stderr and "metrics.jsonl records 3 step(s)" in proc.stderr
+    assert "step_2:" in proc.stderr and "step_3:" in proc.stderr and "optimizer.pt" in proc.stderr
+    assert "ray: " not in proc.stdout  # refused before Ray started
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before and _steps(run) == [1, 2, 3]
