@@ -73,6 +73,7 @@ def absolute_run_dir(cfg) -> Path:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from rl.metrics import check_trackers
     from rl.preflight import preflight
 
     cfg = load_target(args.recipe, args.overrides)
@@ -80,6 +81,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         _check_resume_config(cfg, rdir)
     preflight(cfg)
+    check_trackers(cfg.logging)
     print(f"run: {rdir}", flush=True)
     from rl.driver import StoppedAtOnce, train
 

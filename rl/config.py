@@ -225,7 +225,12 @@ class TrainerConfig:
         ge=0,
     )
     checkpoint_every: int = _f(50, "Save a checkpoint every N steps (0 = only at the end).", ge=0)
-    keep_checkpoints: int = _f(3, "Most recent checkpoints kept (0 = keep all).", ge=0)
+    keep_checkpoints: int = _f(
+        3,
+        "Newest checkpoints that verify kept, the one just written among them; damaged ones are moved to "
+        "`checkpoints/damaged/`, not counted (0 = keep all).",
+        ge=0,
+    )
     max_skipped_steps: int = _f(
         3, "Consecutive steps skipped for a non-finite loss or gradient before the run fails.", ge=0
     )
@@ -440,6 +445,12 @@ class MonitorConfig:
     )
     trend_window: int = _f(10, "Steps averaged at each end for the trend check.", ge=1)
     stop_on_violation: bool = _f(False, "Stop the run on a violation (otherwise warn and record it).")
+    flat_reward_steps: int = _f(
+        3,
+        "Warn, naming the likely causes, after this many steps in a row whose every group had equal "
+        "rewards (no gradient); each such step is warned of on its own as well (0 = no warnings).",
+        ge=0,
+    )
 
 
 @dataclass
@@ -450,6 +461,28 @@ class LoggingConfig:
     tensorboard: bool = _f(True, "Write TensorBoard events under the run directory.")
     wandb_project: str = _f("", "Weights & Biases project ('' = off).")
     wandb_entity: str = _f("", "Weights & Biases entity ('' = your default).")
+    mlflow_tracking_uri: str = _f(
+        "",
+        "MLflow tracking URI ('' = off), e.g. `http://host:5000` or `sqlite:///mlflow.db`: params (the "
+        "config), step metrics and rollout tables; `--resume` continues the same MLflow run "
+        "(`pip install mlflow`).",
+    )
+    mlflow_experiment: str = _f("sparkrl", "MLflow experiment the run is logged under.")
+    rollouts_every: int = _f(
+        1,
+        "Write the trained samples of every Nth step to `rollouts/step_<N>.jsonl` (prompt, response, reward, "
+        "acc, pred, length, k3, adapter version) and a table of them to the trackers (0 = off).",
+        ge=0,
+    )
+    rollouts_per_step: int = _f(
+        64, "Samples written a step at most: whole groups, in group order (0 = every sample).", ge=0
+    )
+    rollouts_max_chars: int = _f(
+        4000,
+        "Longest prompt or response text written; a longer one keeps its start and end around a marker "
+        "of what was cut (0 = no limit).",
+        ge=0,
+    )
 
 
 @dataclass

@@ -18,6 +18,7 @@ reaches the workers, only the small specs made from it.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from pathlib import Path
@@ -103,6 +104,9 @@ class Run:
             cfg.logging.wandb_project,
             cfg.logging.wandb_entity,
             cfg.run.name,
+            config=dataclasses.asdict(cfg),
+            mlflow_tracking_uri=cfg.logging.mlflow_tracking_uri,
+            mlflow_experiment=cfg.logging.mlflow_experiment,
         )
         self.start_step = self.step  # where this invocation began (the summary counts its own steps)
         self._stop_signal: str | None = None

@@ -4,7 +4,8 @@ What is evaluated: the recipe's model, plus an adapter when one is given; for a 
 and the adapter of its newest checkpoint (unless `--adapter` names another). Engines with a MoE-LoRA
 kernel load the adapter as such; in merged sync mode (vLLM on CPU) it is merged into the base weights
 with PEFT here and the merged weights are pushed instead. Per-sample records go to
-`<run dir>/eval/eval_<tag>.jsonl` and the metrics are printed and returned.
+`<run dir>/eval/eval_<tag>.jsonl` and the metrics are printed and returned. The rollout workers' own output
+(vLLM's engine lines) goes to `<run dir>/logs/`, as in `sparkrl train`, when this call starts Ray.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
     model_path, rollout_path = resolve_model_paths(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     prompts = load_prompts_for(cfg, cfg.eval.data, tokenizer, "test", cfg.data.arith.eval_rows)
-    owns_ray = init_ray(cfg)
+    # The run directory the records go to holds the workers' logs too: the terminal keeps only the results.
+    owns_ray = init_ray(cfg, run_dir(cfg) / "logs")
     with waiting_for_resources(cfg, "the rollout engines"):
         pool = RolloutPool(
             engine_spec_from_config(cfg, rollout_path),
@@ -126,5 +128,5 @@ def _main(args: argparse.Namespace) -> int:
     out = run_eval(cfg, adapter, tag)
     for key, value in out["metrics"].items():
         print(f"{key} {value:.4f}")
-    print(f"eval: records at {out['records']}")
+    print(f"eval: records at {out['records']}  (workers' logs in {run_dir(cfg) / 'logs'})")
     return 0

@@ -4,16 +4,20 @@
     check_cluster(cfg, cluster_info(ray))   # after joining a cluster: CPU slots, GPUs and nodes
 
 Each problem is one line that names the config key (or the file) and what to change; `PreflightError`
-carries them all, and the CLI prints them without a traceback. Everything here reads local files only
-(hub ids are looked up in the local Hugging Face cache, never over the network), so it takes well under a
-second for the shipped recipes.
+carries them all, and the CLI prints them without a traceback. Everything here reads local files, except
+for hub ids that are not in the local cache: one short request (`HUB_TIMEOUT_S`) asks whether the hub
+answers, since without it the run could only fail minutes later, in a worker, after retrying. So it takes
+well under a second for the shipped recipes with their models and data at hand, and a few seconds at most
+when the hub has to be asked.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,11 @@ _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num
 _TINY_MOE = {"dense": False, "qwen3_moe": True, "muse": True}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# How long the preflight waits for the hub to answer. A reachable hub answers its API in well under a second;
+# an unreachable one fails at once (refused, no route, no DNS) or, where packets are dropped, after this.
+HUB_TIMEOUT_S = 5.0
+_DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
 class PreflightError(ValueError):
@@ -46,7 +55,7 @@ def _looks_local(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~")) or value.count("/") > 1
 
 
-def model_config(key: str, value: str, problems: list[str]) -> dict | None:
+def model_config(key: str, value: str, problems: list[str], hub: Hub | None = None) -> dict | None:
     """config.json of the model `value` names (a directory, or a hub id found in the local cache)."""
     path = Path(value).expanduser()
     if path.is_dir():
@@ -56,8 +65,9 @@ def model_config(key: str, value: str, problems: list[str]) -> dict | None:
                 f"{key}: {path} has no config.json (expected a Hugging Face checkpoint directory)"
             )
             return None
-        if not any(f.suffix in _WEIGHT_SUFFIXES for f in path.iterdir()):
-            problems.append(f"{key}: {path} holds no weight files (*.safetensors or *.bin)")
+        missing = _missing_weights(path)
+        if missing:
+            problems.append(f"{key}: {path} {missing}")
     elif path.exists():
         problems.append(f"{key}: {path} is a file; expected a checkpoint directory or a hub id (owner/name)")
         return None
@@ -65,25 +75,66 @@ def model_config(key: str, value: str, problems: list[str]) -> dict | None:
         problems.append(f"{key}: {value}: no such directory (nor a Hugging Face hub id owner/name)")
         return None
     else:
-        cfg_file = _hub_cached_file(value, "config.json")
-        if cfg_file is None:
-            if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
-                problems.append(
-                    f"{key}: {value} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
-                )
-            return None  # downloaded by the workers
+        return _hub_model_config(key, value, problems, hub or Hub())
+    return _read_config(key, cfg_file, problems)
+
+
+def _read_config(key: str, cfg_file: Path, problems: list[str]) -> dict | None:
     try:
-        return json.loads(Path(cfg_file).read_text())
+        return json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
         problems.append(f"{key}: {cfg_file}: not readable JSON ({e})")
         return None
 
 
-def _hub_cached_file(repo_id: str, filename: str) -> str | None:
+def _missing_weights(directory: Path) -> str | None:
+    """What a checkpoint directory lacks of its weights (the shards its index lists, or any weight file)."""
+    for name in _WEIGHT_INDEXES:
+        index = directory / name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as e:
+                return f"has a {name} that lists no weight files ({type(e).__name__}: {e})"
+            missing = [s for s in shards if not (directory / s).is_file()]
+            if missing:
+                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                return (
+                    f"lacks {len(missing)} of the {len(shards)} weight files its {name} lists "
+                    f"({', '.join(missing[:3])}{more})"
+                )
+            return None
+    if any(f.suffix in _WEIGHT_SUFFIXES for f in directory.iterdir()):
+        return None
+    return "holds no weight files (*.safetensors or *.bin)"
+
+
+def _hub_model_config(key: str, repo_id: str, problems: list[str], hub: Hub) -> dict | None:
+    """config.json of a hub model from the local cache. What the run cannot get, neither from the cache nor
+    from the hub (offline, or no answer from it), is a problem; a hub that answers downloads the rest."""
     from huggingface_hub import try_to_load_from_cache
 
-    found = try_to_load_from_cache(repo_id, filename)
-    return found if isinstance(found, str) else None
+    cache = hub_cache_dir()
+    found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache)
+    # "no local directory" too: a relative path that does not exist reads as a hub id (owner/name).
+    config, missing = None, f"is no local directory, nor in the local Hugging Face cache ({cache})"
+    if isinstance(found, str):
+        snapshot = Path(found).parent
+        config = _read_config(key, Path(found), problems)
+        lacks = _missing_weights(snapshot)
+        if lacks is None:
+            return config
+        missing = (
+            f"is no local directory, and only partly in the local Hugging Face cache: {snapshot} {lacks}"
+        )
+    fix = f"download it first (hf download {repo_id}) or set {key} to a local checkpoint directory"
+    if hub_offline():
+        problems.append(f"{key}: {repo_id} {missing}, and HF_HUB_OFFLINE is set; {fix}")
+    else:
+        unreachable = hub.unreachable("models", repo_id)
+        if unreachable:
+            problems.append(f"{key}: {repo_id} {missing}, and {unreachable}; {fix}")
+    return config
 
 
 def is_moe(config: dict) -> bool:
@@ -94,15 +145,16 @@ def is_moe(config: dict) -> bool:
     return False
 
 
-def check_model(cfg: SparkConfig, problems: list[str]) -> None:
+def check_model(cfg: SparkConfig, problems: list[str], hub: Hub | None = None) -> None:
     """model.path / model.rollout_path exist; LoRA expert targets and R3 fit the architecture."""
     tiny = cfg.model.make_tiny
+    hub = hub or Hub()
     if tiny.arch:
         moe, what = _TINY_MOE.get(tiny.arch), f"model.make_tiny.arch={tiny.arch}"
     else:
-        config = model_config("model.path", cfg.model.path, problems)
+        config = model_config("model.path", cfg.model.path, problems, hub)
         if cfg.model.rollout_path:
-            model_config("model.rollout_path", cfg.model.rollout_path, problems)
+            model_config("model.rollout_path", cfg.model.rollout_path, problems, hub)
         moe = None if config is None else is_moe(config)
         arch = ", ".join((config or {}).get("architectures") or []) or "the model"
         what = f"{cfg.model.path} ({arch})"
@@ -128,29 +180,189 @@ def check_adapter(key: str, adapter: str | Path | None, problems: list[str]) -> 
 
 
 # ----------------------------------------------------------------------------------------------------
+# The Hugging Face hub and its caches, as the run's processes will see them
+# ----------------------------------------------------------------------------------------------------
+# Read from the environment at each call, not from huggingface_hub's or datasets' constants (fixed when they
+# were first imported): the workers are fresh processes that read the environment as it is now.
+
+
+def _env_true(name: str) -> bool:
+    from huggingface_hub.constants import ENV_VARS_TRUE_VALUES
+
+    return (os.environ.get(name) or "").upper() in ENV_VARS_TRUE_VALUES
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as huggingface_hub reads it: the run will not ask the hub."""
+    return _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+
+
+def datasets_offline() -> bool:
+    """HF_DATASETS_OFFLINE where set, else HF_HUB_OFFLINE, as `datasets` reads them."""
+    if os.environ.get("HF_DATASETS_OFFLINE") is not None:
+        return _env_true("HF_DATASETS_OFFLINE")
+    return hub_offline()
+
+
+def _hf_home() -> str:
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.expandvars(
+        os.path.expanduser(os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface"))
+    )
+
+
+def hub_cache_dir() -> str:
+    """Where huggingface_hub keeps downloaded repos (`models--owner--name/snapshots/...`)."""
+    cache = (
+        os.environ.get("HF_HUB_CACHE")
+        or os.environ.get("HUGGINGFACE_HUB_CACHE")
+        or os.path.join(_hf_home(), "hub")
+    )
+    return os.path.expandvars(os.path.expanduser(cache))
+
+
+def datasets_cache_dir() -> str:
+    """Where `datasets` keeps prepared datasets (`owner___name/config/version/hash/`): what load_dataset
+    reads when it cannot reach the hub (the hub cache's raw files alone do not serve it)."""
+    return os.path.expanduser(os.environ.get("HF_DATASETS_CACHE") or os.path.join(_hf_home(), "datasets"))
+
+
+def hub_endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or _DEFAULT_ENDPOINT).rstrip("/")
+
+
+class Hub:
+    """Whether the hub answers, asked once for a whole preflight: every hub id shares the answer, so a
+    preflight with several uncached ids waits for one request at most."""
+
+    def __init__(self, timeout_s: float = HUB_TIMEOUT_S):
+        self.endpoint, self.timeout_s = hub_endpoint(), timeout_s
+        self._asked, self._reason = False, None
+
+    def unreachable(self, kind: str, repo_id: str) -> str | None:
+        """None when the hub answers its repo-info route for `repo_id` (`kind`: models or datasets), with any
+        status: the run's own request decides about a missing or private repo. Else why it cannot be reached."""
+        if not self._asked:
+            self._asked = True
+            why = _no_answer(f"{self.endpoint}/api/{kind}/{repo_id}", self.timeout_s)
+            self._reason = why and f"the hub at {self.endpoint} cannot be reached ({why})"
+        return self._reason
+
+
+def _no_answer(url: str, timeout_s: float) -> str | None:
+    """Why `url` gives no HTTP answer within `timeout_s`, or None. httpx, as huggingface_hub's own client, so
+    the proxy and certificate settings it honors (HTTPS_PROXY, SSL_CERT_FILE, ...) are the run's. In a thread
+    with a deadline: the client's timeout does not cover name resolution, which can hang far longer."""
+    import httpx
+
+    answer: list[str | None] = []
+
+    def ask() -> None:
+        try:
+            httpx.get(url, timeout=timeout_s, follow_redirects=False)
+            answer.append(None)
+        except Exception as e:  # any failure to get a response is the answer: connect, DNS, TLS, bad URL
+            answer.append(" ".join(str(e).split()) or type(e).__name__)
+
+    thread = threading.Thread(target=ask, name="sparkrl-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 1.0)
+    return answer[0] if answer else f"no answer in {timeout_s:g} s"
+
+
+# ----------------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------------
 
 
-def check_data(key: str, spec: str, problems: list[str]) -> None:
+def check_data(key: str, spec: str, problems: list[str], hub: Hub | None = None) -> None:
     """Local files and the synthetic task are loaded with the run's own reader (rl.data.sources: parse,
-    schema, columns, nulls); a hub id is left to the run (it may need the network)."""
-    from rl.data.sources import HUB_PREFIX, SYNTHETIC_PREFIX, load_source, parse_spec
+    schema, columns, every bad cell); a hub dataset must be in the local datasets cache or the hub must
+    answer (the run then downloads it)."""
+    from rl.data.problems import DataError
+    from rl.data.sources import hub_dataset, load_source, parse_spec
 
     try:
-        location, _ = parse_spec(spec)
+        location, query = parse_spec(spec)
     except ValueError as e:
         problems.append(f"{key}: {e}")
         return
-    local = Path(location).expanduser()
-    if location.startswith(HUB_PREFIX) or (
-        not location.startswith(SYNTHETIC_PREFIX) and not local.exists() and _HUB_ID.match(location)
-    ):
+    repo_id = hub_dataset(location)
+    if repo_id is not None:
+        # `hf:` before a local path: datasets reads that path itself, no hub involved.
+        if _HUB_ID.match(repo_id) and not Path(repo_id).expanduser().exists():
+            split, config = query.get("split", "train"), query.get("config")
+            _check_hub_dataset(key, repo_id, config, split, problems, hub or Hub())
         return
     try:
         load_source(spec)
+    except DataError as e:
+        problems.extend(f"{key}: {line}" for line in str(e).splitlines())
     except (ValueError, FileNotFoundError, OSError) as e:
         problems.append(f"{key}: {str(e).splitlines()[0]}")
+
+
+def _check_hub_dataset(
+    key: str, repo_id: str, config: str | None, split: str, problems: list[str], hub: Hub
+) -> None:
+    """A hub dataset the run can load: from the datasets cache, or from a hub that answers."""
+    missing = _datasets_cache_lacks(repo_id, config, split)
+    if missing is None:
+        return
+    fix = (
+        f"download it first (hf download {repo_id} --repo-type dataset --local-dir DIR) and set "
+        f"{key}=DIR (or one of its parquet files)"
+    )
+    if datasets_offline():
+        flag = (
+            "HF_DATASETS_OFFLINE" if os.environ.get("HF_DATASETS_OFFLINE") is not None else "HF_HUB_OFFLINE"
+        )
+        problems.append(f"{key}: {repo_id} {missing}, and {flag} is set; {fix}")
+        return
+    unreachable = hub.unreachable("datasets", repo_id)
+    if unreachable:
+        problems.append(f"{key}: {repo_id} {missing}, and {unreachable}; {fix}")
+
+
+def _datasets_cache_lacks(repo_id: str, config: str | None, split: str) -> str | None:
+    """What keeps `datasets.load_dataset(repo_id, config, split=split)` from loading from the local cache
+    alone, or None. Mirrors datasets' fallback when the hub does not answer (CachedDatasetModuleFactory and
+    the `cache` builder): `<HF_DATASETS_CACHE>/<owner>___<snake_case name>/<config>/<version>/<hash>/` with a
+    dataset_info.json whose config_name is the directory's; the newest one is taken, and without a config
+    named it must be the only config cached at that version and hash."""
+    from datasets.naming import camelcase_to_snakecase
+
+    cache = datasets_cache_dir()
+    owner, name = repo_id.split("/")
+    root = Path(cache) / f"{owner}___{camelcase_to_snakecase(name)}"
+    infos: dict[Path, dict] = {}
+    for d in root.glob(f"{glob.escape(config) if config else '*'}/*/*"):
+        try:
+            info = json.loads((d / "dataset_info.json").read_text())
+        except (OSError, ValueError):  # not a prepared dataset (a lock, a half-written one)
+            continue
+        if isinstance(info, dict) and info.get("config_name") == d.parts[-3]:
+            infos[d] = info
+    if not infos:
+        where = f" with config {config!r}" if config else ""
+        return f"is no local file or directory, nor in the local datasets cache{where} ({cache})"
+    newest = max(infos, key=lambda d: d.stat().st_mtime)
+    if not config:
+        configs = sorted(d.parts[-3] for d in infos if d.parts[-2:] == newest.parts[-2:])
+        if len(configs) > 1:
+            return (
+                f"is in the local datasets cache ({root}) in several configs ({', '.join(configs)}), and the "
+                f"spec names none (add ?config=NAME)"
+            )
+    splits = infos[newest].get("splits") or {}
+    wanted = [part.split("[")[0].strip() for part in split.split("+")]
+    lacking = [w for w in wanted if w not in splits]
+    if lacking:
+        return (
+            f"is in the local datasets cache ({newest}) without split {lacking[0]!r} "
+            f"(it has {', '.join(sorted(splits)) or 'none'})"
+        )
+    return None
 
 
 def preflight(
@@ -160,14 +372,15 @@ def preflight(
 
     `train`: check the training data; `evaluate`: check `eval.data` (default: when eval.every > 0)."""
     problems: list[str] = []
-    check_model(cfg, problems)
+    hub = Hub()  # asked at most once, and only for a hub id the local caches lack
+    check_model(cfg, problems, hub)
     check_adapter("--adapter", adapter, problems)
     if train:
-        check_data("data.train", cfg.data.train, problems)
+        check_data("data.train", cfg.data.train, problems, hub)
     if evaluate is None:
         evaluate = cfg.eval.every > 0
     if evaluate and cfg.eval.data:
-        check_data("eval.data", cfg.eval.data, problems)
+        check_data("eval.data", cfg.eval.data, problems, hub)
     if problems:
         raise PreflightError(problems)
 

@@ -2,18 +2,22 @@
 
 The first lines of report.md say whether each run's KL drift (`rollout_corr/k3_kl` per step) stayed
 inside its budget (`monitor.k3_kl_max` from the run's own config.yaml, and the trend limit). The plots:
-reward, accuracy, eval mean@k, k3 KL on a log scale, response length, and the step-time breakdown.
+reward, accuracy, eval mean@k, k3 KL on a log scale, response length, and the step-time breakdown. Where
+the run kept its samples (`rollouts/step_<N>.jsonl`), a section shows the best and the worst of a few
+steps. A run is labelled by its `run.name`; runs that share one are labelled by their directories.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import re
 from pathlib import Path
 
 import yaml
 
-from rl.metrics import read_metrics
+from rl.metrics import best_and_worst, clip, read_metrics
 from rl.monitor import KLMonitor
 
 PLOTS = [
@@ -36,12 +40,31 @@ def load_run(run_dir: Path) -> dict:
     config = (
         yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
     )
-    return {
-        "dir": run_dir,
-        "name": (config.get("run") or {}).get("name") or run_dir.name,
-        "config": config,
-        "records": read_metrics(run_dir),
-    }
+    name = (config.get("run") or {}).get("name") or run_dir.name
+    return {"dir": run_dir, "name": name, "label": name, "config": config, "records": read_metrics(run_dir)}
+
+
+def run_labels(runs: list[dict]) -> list[str]:
+    """What names each run in the report: its `run.name` where no other run has that name; otherwise the
+    shortest ending of its directory's path that sets it apart (`a/demo_cpu` and `b/demo_cpu` for two
+    runs of the default name in `a/` and `b/`). The same directory given twice gets ` (2)`."""
+    labels = [r["name"] for r in runs]
+    parts = [Path(r["dir"]).absolute().parts for r in runs]
+    depth = {i: 0 for i, name in enumerate(labels) if labels.count(name) > 1}
+
+    def clashing() -> list[int]:
+        return [i for i in depth if labels.count(labels[i]) > 1]
+
+    while grow := [i for i in clashing() if depth[i] < len(parts[i])]:
+        for i in grow:
+            depth[i] += 1
+            labels[i] = Path(*parts[i][-depth[i] :]).as_posix()
+    seen: dict[str, int] = {}
+    for i in clashing():  # left only where the directories themselves are the same
+        seen[labels[i]] = seen.get(labels[i], 0) + 1
+        if seen[labels[i]] > 1:
+            labels[i] += f" ({seen[labels[i]]})"
+    return labels
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -65,7 +88,7 @@ def kl_verdict(run: dict) -> tuple[bool, str]:
         if r["step"] > 0 and "rollout_corr/k3_kl" in r and _num(r["rollout_corr/k3_kl"]) is None
     ]
     if not kls:
-        return False, f"{run['name']}: no rollout_corr/k3_kl recorded"
+        return False, f"{run['label']}: no rollout_corr/k3_kl recorded"
     monitor = KLMonitor(0.0, trend_max, int(mon.get("trend_window", 10) or 10))
     for k in kls:
         monitor.check(k)
@@ -74,7 +97,7 @@ def kl_verdict(run: dict) -> tuple[bool, str]:
     ok = not over and not missing and not (trend_max > 0 and trend is not None and trend > trend_max)
     worst = max(kls)
     text = (
-        f"{run['name']}: KL drift {'INSIDE' if ok else 'OUTSIDE'} its budget: k3 KL max {worst:.2e} "
+        f"{run['label']}: KL drift {'INSIDE' if ok else 'OUTSIDE'} its budget: k3 KL max {worst:.2e} "
         f"(step {steps[kls.index(worst)]}), mean {sum(kls) / len(kls):.2e} over {len(kls)} steps"
     )
     if budget > 0:
@@ -116,7 +139,7 @@ def make_plots(runs: list[dict], out: Path) -> list[Path]:
                 xs, ys = (
                     zip(*[(x, y) for x, y in zip(xs, ys) if y > 0]) if any(y > 0 for y in ys) else ([], [])
                 )
-            ax.plot(xs, ys, marker=".", label=run["name"])
+            ax.plot(xs, ys, marker=".", label=run["label"])
         if key == "rollout_corr/k3_kl":
             ax.set_yscale("log")
             budgets = {float((r["config"].get("monitor") or {}).get("k3_kl_max", 0) or 0) for r in runs}
@@ -135,7 +158,9 @@ def make_plots(runs: list[dict], out: Path) -> list[Path]:
             for key in keys:
                 xs, ys = series(run["records"], key)
                 label = (
-                    key.removeprefix("val-core/") if len(runs) == 1 else f"{run['name']}: {key.split('/')[1]}"
+                    key.removeprefix("val-core/")
+                    if len(runs) == 1
+                    else f"{run['label']}: {key.split('/')[1]}"
                 )
                 ax.plot(xs, ys, marker="o", label=label)
         ax.set_title("eval accuracy (mean@k)")
@@ -155,7 +180,7 @@ def make_plots(runs: list[dict], out: Path) -> list[Path]:
             bottom = [b + v for b, v in zip(bottom, vals)]
     else:
         for run in runs:
-            ax.plot(*series(run["records"], "perf/step_s"), marker=".", label=run["name"])
+            ax.plot(*series(run["records"], "perf/step_s"), marker=".", label=run["label"])
     ax.set_title("step time (s)")
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
@@ -168,16 +193,102 @@ def _final(run: dict, key: str) -> str:
     return f"{ys[-1]:.4g}" if ys else "-"
 
 
+# The rollouts section: this many steps (the first, the last and some between), and a step's best and
+# worst this many samples, with their prompt and response cut to about these many characters.
+ROLLOUT_STEPS = 4
+ROLLOUT_SAMPLES = 4
+ROLLOUT_PROMPT_CHARS = 300
+ROLLOUT_RESPONSE_CHARS = 600
+
+
+def rollout_steps(run_dir: Path) -> list[int]:
+    """The steps whose samples the run kept (`rollouts/step_<N>.jsonl`), in order."""
+    found = (re.fullmatch(r"step_(\d+)\.jsonl", p.name) for p in (Path(run_dir) / "rollouts").glob("*.jsonl"))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def spread(steps: list[int], n: int) -> list[int]:
+    """At most n of `steps`, evenly spaced, the first and the last among them."""
+    if len(steps) <= n:
+        return list(steps)
+    if n == 1:
+        return [steps[-1]]
+    return sorted({steps[round(i * (len(steps) - 1) / (n - 1))] for i in range(n)})
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """A rollouts file's rows; a line that does not parse (a file cut short) is left out."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _fenced(text: str) -> list[str]:
+    """A code block around `text` whose fence is longer than any run of backticks inside it."""
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence + "text", text, fence]
+
+
+def _facts(row: dict) -> str:
+    def num(key, fmt):
+        v = row.get(key)
+        return format(v, fmt) if isinstance(v, int | float) and not isinstance(v, bool) else "-"
+
+    one_line = {k: clip(row.get(k), 80).replace("\n", " ") for k in ("pred", "ground_truth")}
+    acc = row.get("acc")
+    return (
+        f"reward {num('reward', '.3g')}, acc {'-' if acc is None else int(acc)}, pred `{one_line['pred']}`, "
+        f"ground truth `{one_line['ground_truth']}`, {num('response_length', 'd')} tokens "
+        f"({row.get('finish_reason', '-')}), k3 KL {num('k3_kl', '.2e')}, group {row.get('group', '-')} "
+        f"sample {row.get('index', '-')}, adapter v{row.get('adapter_version', '-')}"
+    )
+
+
+def rollout_section(runs: list[dict]) -> list[str]:
+    """report.md's lines on the kept samples: for each run with `rollouts/`, ROLLOUT_STEPS of its steps,
+    each with its best and worst ROLLOUT_SAMPLES samples by reward. Nothing when no run kept any."""
+    lines: list[str] = []
+    for run in runs:
+        steps = spread(rollout_steps(run["dir"]), ROLLOUT_STEPS)
+        if not steps:
+            continue
+        if len(runs) > 1:
+            lines += ["", f"### {run['label']}"]
+        for step in steps:
+            rows = _read_rows(run["dir"] / "rollouts" / f"step_{step}.jsonl")
+            rewards = [r["reward"] for r in rows if isinstance(r.get("reward"), int | float)]
+            mean = f", reward mean {sum(rewards) / len(rewards):.3g}" if rewards else ""
+            lines += ["", f"**step {step}**: {len(rows)} samples kept{mean}; the best and the worst:", ""]
+            for row in best_and_worst(rows, ROLLOUT_SAMPLES):
+                text = (
+                    f"prompt: {clip(row.get('prompt'), ROLLOUT_PROMPT_CHARS)}\n"
+                    f"response: {clip(row.get('response'), ROLLOUT_RESPONSE_CHARS)}"
+                )
+                lines += [f"- {_facts(row)}", "", *_fenced(text), ""]
+    if not lines:
+        return []
+    # One blank line between the parts (a step's last sample and the next step's line both add one).
+    lines = [x for i, x in enumerate(lines) if x or i == 0 or lines[i - 1]]
+    return ["", "## Rollout samples", *lines]
+
+
 def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     """Write report.md and the plots; returns the report.md path."""
     if not run_dirs:
         raise ValueError("report: name at least one run directory")
     runs = [load_run(Path(d)) for d in run_dirs]
+    for run, label in zip(runs, run_labels(runs)):
+        run["label"] = label
     if out is None:
         out = (
             runs[0]["dir"] / "report"
             if len(runs) == 1
-            else Path("reports") / "_vs_".join(r["name"] for r in runs)
+            else Path("reports") / "_vs_".join(r["label"].replace("/", "_") for r in runs)
         )
     out.mkdir(parents=True, exist_ok=True)
     verdicts = [kl_verdict(run) for run in runs]
@@ -189,7 +300,7 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
         "response_length/mean",
         "perf/step_s",
     ] + _eval_keys(runs)
-    lines = [f"# sparkrl report: {', '.join(r['name'] for r in runs)}", ""]
+    lines = [f"# sparkrl report: {', '.join(r['label'] for r in runs)}", ""]
     lines += [f"- {'OK' if ok else 'FAIL'}: {text}" for ok, text in verdicts]
     lines += [
         "",
@@ -200,7 +311,7 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     ]
     for run in runs:
         steps = max((r["step"] for r in run["records"]), default=0)
-        lines.append(f"| {run['name']} | {steps} | " + " | ".join(_final(run, k) for k in keys) + " |")
+        lines.append(f"| {run['label']} | {steps} | " + " | ".join(_final(run, k) for k in keys) + " |")
     evals = _eval_keys(runs)
     if evals:
         lines += ["", "## Eval", ""]
@@ -209,9 +320,10 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
                 xs, ys = series(run["records"], key)
                 if ys:
                     lines.append(
-                        f"- {run['name']} {key}: " + ", ".join(f"step {x}: {y:.3f}" for x, y in zip(xs, ys))
+                        f"- {run['label']} {key}: " + ", ".join(f"step {x}: {y:.3f}" for x, y in zip(xs, ys))
                     )
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    lines += rollout_section(runs)
     path = out / "report.md"
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")

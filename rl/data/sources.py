@@ -24,6 +24,11 @@ Maxwell-Jia/AIME_2024 (`Problem`, `Answer` as int64, `ID`, ...). Raw problems ge
 17,398 prompts; BytedTsinghua's AIME-2024 repeats its 30 problems 32 times); synthetic rows are not,
 unless `dedup=true`, so that `n` is the number of rows. Raw rows without a `data_source` get the hub id,
 else the file's stem (the directory's name).
+
+Bad cells (a null prompt or answer, a non-integer number or an empty string as the answer, a column of the
+wrong type) are all reported in one `rl.data.problems.DataError`, each with the file's own row number
+(counted from 1 before dedup) and the column; so is every record of a JSON lines file that pyarrow cannot
+read. Answers are checked in the rows that are kept (after dedup and `limit`), prompts in all rows.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import pyarrow.parquet as pq
 from datasets.table import InMemoryTable
 
 from rl.data import arith
+from rl.data.problems import Part, Problems, RowNames, json_lines_problems
 from rl.data.prompts import dapo_prompt
 
 log = logging.getLogger(__name__)
@@ -93,23 +99,31 @@ def load_source(spec: str, **options: Any) -> PromptSource:
         opts = _typed_options(spec, {**query, **options}, _SYNTHETIC_OPTIONS)
         return _load_synthetic(location[len(SYNTHETIC_PREFIX) :], opts, spec)
 
-    force_hub = location.startswith(HUB_PREFIX)
-    if force_hub:
-        location = location[len(HUB_PREFIX) :]
+    hub_id = hub_dataset(location)
     path = Path(location).expanduser()
-    if not force_hub and path.exists():
+    if hub_id is None and path.exists():
         opts = _typed_options(spec, {**query, **options}, _FILE_OPTIONS)
-        table, origin = _read_local(path)
+        table, origin, rows = _read_local(path)
         default_source = path.name if path.is_dir() else path.stem
-    elif force_hub or _HUB_ID.match(location):
+    elif hub_id is not None:
         opts = _typed_options(spec, {**query, **options}, _HUB_OPTIONS)
-        table, origin = _read_hub(location, opts.get("split", "train"), opts.get("config"))
-        default_source = location
+        table, origin = _read_hub(hub_id, opts.get("split", "train"), opts.get("config"))
+        rows = RowNames([Part(origin, 0)])
+        default_source = hub_id
     else:
         raise FileNotFoundError(
             f"prompt source {spec!r}: no such file or directory, and {location!r} is not a hub id (owner/name)"
         )
-    return _to_verl(table, origin, default_source, opts)
+    return _to_verl(table, origin, default_source, opts, rows)
+
+
+def hub_dataset(location: str) -> str | None:
+    """The hub dataset id a spec's source names (`hf:ID`, or `owner/name` that is no local path), else None."""
+    if location.startswith(HUB_PREFIX):
+        return location[len(HUB_PREFIX) :]
+    if location.startswith(SYNTHETIC_PREFIX) or Path(location).expanduser().exists():
+        return None
+    return location if _HUB_ID.match(location) else None
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -167,16 +181,19 @@ def _read_file(path: Path) -> pa.Table:
         if path.suffix in (".jsonl", ".json"):
             return pa_json.read_json(path)
     except pa.ArrowInvalid as e:
-        raise ValueError(
-            f"{path}: cannot read it as {path.suffix[1:]}: {e} (JSON files must hold one object per line, "
-            "each column one type; store answers as strings)"
-        ) from e
+        hint = "JSON files must hold one object per line, each column one type; store answers as strings"
+        if path.suffix != ".parquet":
+            problems = Problems(str(path), RowNames.of_file(path))
+            json_lines_problems(path, problems)
+            problems.raise_if_any(f"cannot read it as {path.suffix[1:]}: {hint}")
+        raise ValueError(f"{path}: cannot read it as {path.suffix[1:]}: {e} ({hint})") from e
     raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected one of {list(_FILE_SUFFIXES)}")
 
 
-def _read_local(path: Path) -> tuple[pa.Table, str]:
+def _read_local(path: Path) -> tuple[pa.Table, str, RowNames]:
+    """The table of a file or directory, its origin, and the files its rows came from."""
     if path.is_file():
-        return _read_file(path), str(path)
+        return _read_file(path), str(path), RowNames.of_file(path)
     # Hidden entries (.cache/ of a hub snapshot, editor files) are not data.
     visible = [
         f
@@ -189,6 +206,10 @@ def _read_local(path: Path) -> tuple[pa.Table, str]:
     if not files:
         raise FileNotFoundError(f"{path}: directory holds no {', '.join(_FILE_SUFFIXES)} files")
     tables = [_read_file(f) for f in files]
+    starts = np.cumsum([0] + [t.num_rows for t in tables[:-1]])
+    rows = RowNames(
+        [Part(str(f), int(s), f if f.suffix != ".parquet" else None) for f, s in zip(files, starts)]
+    )
     for f, t in zip(files[1:], tables[1:]):
         if set(t.column_names) != set(tables[0].column_names):
             raise ValueError(
@@ -199,7 +220,7 @@ def _read_local(path: Path) -> tuple[pa.Table, str]:
         table = pa.concat_tables(tables, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
         raise ValueError(f"{path}: its files {[str(f) for f in files]} have incompatible columns: {e}") from e
-    return table, str(path)
+    return table, str(path), rows
 
 
 def _read_hub(hub_id: str, split: str, config: str | None) -> tuple[pa.Table, str]:
@@ -212,33 +233,42 @@ def _read_hub(hub_id: str, split: str, config: str | None) -> tuple[pa.Table, st
 # Schema mapping --------------------------------------------------------------------------------------
 
 
-def _to_verl(table: pa.Table, origin: str, default_source: str, opts: dict[str, Any]) -> PromptSource:
+def _to_verl(
+    table: pa.Table, origin: str, default_source: str, opts: dict[str, Any], rows: RowNames
+) -> PromptSource:
     if table.num_rows == 0:
         raise ValueError(f"{origin}: the dataset is empty (no rows)")
     columns = table.column_names
+    problems = Problems(origin, rows)
     explicit_raw = "problem_key" in opts or "answer_key" in opts
     if not explicit_raw and ("prompt" in columns or "reward_model" in columns):
         schema, key_column = "verl", "prompt"
         _check_verl_columns(table, origin)
+        _check_messages(table["prompt"], problems)
+        dedup_ok = True
     else:
         schema = "raw"
         problem_key, answer_key, id_key = _raw_columns(columns, opts, origin)
         key_column = problem_key
-        _check_string_column(table, problem_key, origin, "problem")
+        dedup_ok = _check_problem_column(table[problem_key], problem_key, problems)
 
+    # `kept`: the table rows (the file's, before dedup) that stay, in order; the checks below run on the kept
+    # rows and name them by these numbers, never by their position after dedup.
     num_raw = table.num_rows
-    keep = _first_occurrences(table[key_column], origin, key_column) if opts.get("dedup", True) else None
-    if keep is not None and len(keep) < num_raw:
-        table = table.take(pa.array(keep))
-    duplicates = num_raw - table.num_rows
+    kept = np.arange(num_raw, dtype=np.int64)
+    if opts.get("dedup", True) and dedup_ok:
+        kept = _first_occurrences(table[key_column])
+    duplicates = num_raw - len(kept)
     if "limit" in opts:
-        table = table.slice(0, opts["limit"])
+        kept = kept[: opts["limit"]]
+    if len(kept) < num_raw:
+        table = table.take(pa.array(kept))
 
     if schema == "verl":
-        table = _normalise_verl(table, origin, opts.get("data_source"), default_source)
+        table = _normalise_verl(table, problems, kept, opts.get("data_source"), default_source)
     else:
         table = _raw_to_verl(
-            table, problem_key, answer_key, id_key, origin, opts.get("data_source") or default_source
+            table, problem_key, answer_key, id_key, problems, kept, opts.get("data_source") or default_source
         )
     if duplicates:
         log.info(
@@ -270,6 +300,7 @@ def _raw_columns(columns: list[str], opts: dict[str, Any], origin: str) -> tuple
 
 
 def _check_verl_columns(table: pa.Table, origin: str) -> None:
+    """The verl schema's columns and their types: without them no row can be read, so these raise at once."""
     columns = table.column_names
     if "prompt" not in columns:
         raise ValueError(
@@ -297,24 +328,62 @@ def _check_verl_columns(table: pa.Table, origin: str) -> None:
             f"{origin}: column 'prompt' must hold chat messages (a list of {{role, content}}), got {prompt_type}; "
             "raw problem text belongs in a 'problem' column"
         )
-    _check_no_nulls(table["prompt"], origin, "prompt")
 
 
-def _check_string_column(table: pa.Table, column: str, origin: str, what: str) -> None:
-    col = table[column]
+def _check_messages(col: pa.ChunkedArray, problems: Problems) -> None:
+    """Rows whose prompt is null, or holds a message that is null or has no role or content."""
+    _check_nulls(col, np.arange(len(col)), "prompt", problems, "chat messages (a list of {role, content})")
+    bad_rows, start = [], 0
+    for chunk in col.chunks:
+        messages = _messages(chunk)
+        bad = pc.or_(
+            pc.is_null(messages),
+            pc.or_(
+                pc.is_null(pc.struct_field(messages, "role")),
+                pc.is_null(pc.struct_field(messages, "content")),
+            ),
+        )
+        parents = pc.list_parent_indices(chunk).to_numpy()  # one a message, as _messages gives them
+        rows = np.unique(parents[bad.to_numpy(zero_copy_only=False)])
+        rows = rows[
+            ~chunk.is_null().to_numpy(zero_copy_only=False)[rows]
+        ]  # a null prompt is reported as such
+        bad_rows.append(rows + start)
+        start += len(chunk)
+    rows = np.concatenate(bad_rows) if bad_rows else np.array([], dtype=np.int64)
+    if len(rows):
+        problems.cells(
+            rows, "prompt", "a message that is null or has no role or content; expected {role, content}"
+        )
+
+
+def _check_problem_column(col: pa.ChunkedArray, column: str, problems: Problems) -> bool:
+    """Raw problem text: strings without nulls. False when the column's type rules out deduplicating by it."""
     if not _is_str(col.type):
-        raise ValueError(f"{origin}: {what} column {column!r} must hold strings, got {col.type}")
-    _check_no_nulls(col, origin, column)
+        problems.column(column, f"holds {col.type}; expected the problem text as strings")
+        return False
+    _check_nulls(col, np.arange(len(col)), column, problems, "the problem text")
+    return True
 
 
 def _is_str(kind: pa.DataType) -> bool:
     return pa.types.is_string(kind) or pa.types.is_large_string(kind)
 
 
-def _check_no_nulls(col: pa.ChunkedArray, origin: str, column: str) -> None:
+def _check_nulls(
+    col: pa.ChunkedArray, rows: np.ndarray, column: str, problems: Problems, expected: str
+) -> None:
+    """Null cells of `col`, whose i-th value is table row `rows[i]`."""
     if col.null_count:
-        row = int(pc.index(pc.is_null(col), True).as_py())
-        raise ValueError(f"{origin}: column {column!r} is empty (null) in row {row}")
+        nulls = np.flatnonzero(pc.is_null(col).to_numpy(zero_copy_only=False))
+        problems.cells(rows[nulls], column, f"empty (null); expected {expected}")
+
+
+def _messages(chunk: pa.Array) -> pa.Array:
+    """Every message a chunk of prompts spans, null rows' included, so that they line up with its offsets
+    and `list_parent_indices` (`flatten()` leaves out what a null row's offsets span, where they span any)."""
+    first, last = chunk.offsets[0].as_py(), chunk.offsets[-1].as_py()
+    return chunk.values.slice(first, last - first)
 
 
 def _prompt_keys(col: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -323,7 +392,7 @@ def _prompt_keys(col: pa.ChunkedArray) -> pa.ChunkedArray:
         return col
     chunks = []
     for chunk in col.chunks:
-        messages = chunk.flatten()  # respects the chunk's offset
+        messages = _messages(chunk)
         per_message = pc.binary_join_element_wise(
             pc.struct_field(messages, "role"), pc.struct_field(messages, "content"), "\x1f"
         )
@@ -333,18 +402,22 @@ def _prompt_keys(col: pa.ChunkedArray) -> pa.ChunkedArray:
     return pa.chunked_array(chunks, type=chunks[0].type if chunks else pa.string())
 
 
-def _first_occurrences(col: pa.ChunkedArray, origin: str, column: str) -> np.ndarray:
-    """Sorted row indices of the first row of every distinct prompt (a hash group-by, no Python loop)."""
+def _first_occurrences(col: pa.ChunkedArray) -> np.ndarray:
+    """Sorted row indices of the first row of every distinct prompt (a hash group-by, no Python loop). Null
+    prompts group together; the checks before have reported them."""
     keys = _prompt_keys(col)
-    _check_no_nulls(keys, origin, column)
     indexed = pa.table({"key": keys, "row": pa.array(np.arange(len(keys), dtype=np.int64))})
     first = indexed.group_by("key", use_threads=False).aggregate([("row", "min")])["row_min"]
     return np.sort(first.to_numpy())
 
 
-def _answers_as_strings(col: pa.ChunkedArray, origin: str, column: str) -> pa.ChunkedArray:
-    """Answers as stripped strings; integers (and integral floats) are converted, anything else is refused."""
-    _check_no_nulls(col, origin, column)
+def _answers_as_strings(
+    col: pa.ChunkedArray, column: str, rows: np.ndarray, problems: Problems
+) -> pa.ChunkedArray | None:
+    """Answers as stripped strings; integers (and integral floats) are converted. Every null, non-integer
+    number and empty string goes to `problems` (the i-th value is table row `rows[i]`), so the result is only
+    good once `problems` is empty; None where the column cannot be converted at all."""
+    _check_nulls(col, rows, column, problems, "the answer")
     kind = col.type
     if _is_str(kind):
         out = col
@@ -352,30 +425,52 @@ def _answers_as_strings(col: pa.ChunkedArray, origin: str, column: str) -> pa.Ch
         out = pc.cast(col, pa.string())
     elif pa.types.is_floating(kind):
         integral = pc.and_(pc.is_finite(col), pc.equal(pc.floor(col), col))
-        if not pc.all(integral).as_py():
-            row = int(pc.index(integral, False).as_py())
-            raise ValueError(
-                f"{origin}: answer column {column!r} holds the non-integer number {col[row].as_py()!r} in row "
-                f"{row}; store answers as strings so that their exact form is kept"
+        bad = np.flatnonzero(~pc.fill_null(integral, True).to_numpy(zero_copy_only=False))
+        if len(bad):
+            problems.cells(
+                rows[bad],
+                column,
+                lambda k: (
+                    f"the non-integer number {col[int(bad[k])].as_py()!r}; store answers as strings so "
+                    "that their exact form is kept"
+                ),
             )
+            return None
         out = pc.cast(pc.cast(col, pa.int64()), pa.string())
     else:
-        raise ValueError(
-            f"{origin}: answer column {column!r} holds {kind}; expected strings (integers are converted)"
-        )
+        problems.column(column, f"holds {kind}; expected strings (integers are converted)")
+        return None
     out = pc.utf8_trim_whitespace(out)
-    empty = pc.equal(pc.utf8_length(out), 0)
-    if pc.any(empty).as_py():
-        row = int(pc.index(empty, True).as_py())
-        raise ValueError(f"{origin}: answer column {column!r} is an empty string in row {row}")
+    empty = np.flatnonzero(
+        pc.fill_null(pc.equal(pc.utf8_length(out), 0), False).to_numpy(zero_copy_only=False)
+    )
+    if len(empty):
+        problems.cells(rows[empty], column, "an empty string; expected the answer")
     return out.cast(pa.string())
 
 
-def _normalise_verl(table: pa.Table, origin: str, data_source: str | None, default_source: str) -> pa.Table:
+def _normalise_verl(
+    table: pa.Table, problems: Problems, rows: np.ndarray, data_source: str | None, default_source: str
+) -> pa.Table:
     reward_model = table["reward_model"].combine_chunks()
     ground_truth = _answers_as_strings(
-        pa.chunked_array([pc.struct_field(reward_model, "ground_truth")]), origin, "reward_model.ground_truth"
-    ).combine_chunks()
+        pa.chunked_array([pc.struct_field(reward_model, "ground_truth")]),
+        "reward_model.ground_truth",
+        rows,
+        problems,
+    )
+    if data_source is None and "data_source" in table.column_names:
+        if not _is_str(table["data_source"].type):
+            problems.column(
+                "data_source",
+                f"holds {table['data_source'].type}; expected strings (or data_source= in the spec)",
+            )
+        else:
+            _check_nulls(
+                table["data_source"], rows, "data_source", problems, "a string (or data_source= in the spec)"
+            )
+    problems.raise_if_any()
+    ground_truth = ground_truth.combine_chunks()
     names = [f.name for f in reward_model.type]
     fields = [ground_truth if n == "ground_truth" else pc.struct_field(reward_model, n) for n in names]
     if "style" not in names:
@@ -389,30 +484,34 @@ def _normalise_verl(table: pa.Table, origin: str, data_source: str | None, defau
             table = table.set_column(table.column_names.index("data_source"), "data_source", column)
         else:
             table = table.add_column(0, "data_source", column)
-    elif table["data_source"].null_count or not _is_str(table["data_source"].type):
-        raise ValueError(
-            f"{origin}: column 'data_source' must hold strings without nulls, got {table['data_source'].type}"
-        )
     if "ability" not in table.column_names:
         table = table.append_column("ability", pa.array(["math"] * table.num_rows))
     return table
 
 
 def _raw_to_verl(
-    table: pa.Table, problem_key: str, answer_key: str, id_key: str | None, origin: str, data_source: str
+    table: pa.Table,
+    problem_key: str,
+    answer_key: str,
+    id_key: str | None,
+    problems: Problems,
+    rows: np.ndarray,
+    data_source: str,
 ) -> pa.Table:
-    answers = _answers_as_strings(table[answer_key], origin, answer_key).to_pylist()
-    problems = table[problem_key].to_pylist()
-    ids = table[id_key].to_pylist() if id_key else list(range(len(problems)))
-    rows = {
-        "data_source": [data_source] * len(problems),
+    answers = _answers_as_strings(table[answer_key], answer_key, rows, problems)
+    problems.raise_if_any()
+    answers = answers.to_pylist()
+    texts = table[problem_key].to_pylist()
+    ids = table[id_key].to_pylist() if id_key else list(range(len(texts)))
+    out = {
+        "data_source": [data_source] * len(texts),
         # Field order as in DAPO-Math-17k's parquet, so that the two concatenate.
-        "prompt": [[{"content": dapo_prompt(p), "role": "user"}] for p in problems],
-        "ability": ["math"] * len(problems),
+        "prompt": [[{"content": dapo_prompt(p), "role": "user"}] for p in texts],
+        "ability": ["math"] * len(texts),
         "reward_model": [{"ground_truth": a, "style": "rule"} for a in answers],
         "extra_info": [{"index": i, "id": str(x)} for i, x in enumerate(ids)],
     }
-    return pa.table(rows)
+    return pa.table(out)
 
 
 # Synthetic -------------------------------------------------------------------------------------------
@@ -432,7 +531,7 @@ def _load_synthetic(task: str, opts: dict[str, Any], spec: str) -> PromptSource:
         table = table.set_column(0, "data_source", pa.array([opts["data_source"]] * table.num_rows))
     num_raw = table.num_rows
     if opts.get("dedup", False):
-        table = table.take(pa.array(_first_occurrences(table["prompt"], spec, "prompt")))
+        table = table.take(pa.array(_first_occurrences(table["prompt"])))
     duplicates = num_raw - table.num_rows
     if "limit" in opts:
         table = table.slice(0, opts["limit"])

@@ -121,7 +121,7 @@ ONE_STEP_DEMO = {
 @pytest.fixture(scope="session")
 def one_step_sweep():
     """write(path, name): a sweep file of the CPU demo (absolute base) at `path` named `name`, ONE_STEP_DEMO
-    for every run and a grid of two learning rates: runs `<name>/lr=1e-3` and `<name>/lr=4e-3`."""
+    for every run and a grid of two learning rates: runs `<name>/lr=0.001` and `<name>/lr=0.004`."""
 
     def write(path: Path, name: str) -> Path:
         overrides = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in ONE_STEP_DEMO.items())

@@ -326,7 +326,7 @@ def test_sweep_through_submit_trains_every_point(ray_cluster, tmp_path, monkeypa
     assert args.func(args) == 0, capsys.readouterr().out[-4000:]
     out = capsys.readouterr().out
     assert out.count(": SUCCEEDED") == 2
-    runs = [tmp_path / "runs" / "rs" / "lr=1e-3", tmp_path / "runs" / "rs" / "lr=4e-3"]
+    runs = [tmp_path / "runs" / "rs" / "lr=0.001", tmp_path / "runs" / "rs" / "lr=0.004"]
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(str(tmp_path))}
     assert set(rows) == {str(r) for r in runs}
     assert all(row[1] == "1" and row[-1] == "ok" for row in rows.values())
@@ -334,7 +334,7 @@ def test_sweep_through_submit_trains_every_point(ray_cluster, tmp_path, monkeypa
         assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
         assert (run / "rollouts" / "step_1.jsonl").is_file()
     report = (tmp_path / "runs" / "rs" / "report" / "report.md").read_text()
-    assert "rs/lr=1e-3" in report and "rs/lr=4e-3" in report
+    assert "rs/lr=0.001" in report and "rs/lr=0.004" in report
     heads = [p.read_text().splitlines()[0] for p in (runs[0] / "logs").glob("*.log")]
     nodes = {h.rsplit("node ", 1)[1].rstrip(" -)") for h in heads if "node " in h}
     # the head reports the machine's routable address (Ray's choice for 127.0.0.1), the worker its own

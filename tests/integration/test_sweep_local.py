@@ -28,7 +28,7 @@ def test_local_sweep_trains_every_point_and_reports_them_side_by_side(tmp_path, 
         env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    runs = [tmp_path / "runs" / "tinysweep" / p for p in ("lr=1e-3", "lr=4e-3")]
+    runs = [tmp_path / "runs" / "tinysweep" / p for p in ("lr=0.001", "lr=0.004")]
     table = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if "tinysweep/lr=" in line}
     assert all(table[str(r.relative_to(tmp_path))][-1] == "ok" for r in runs), proc.stdout[-3000:]
     for run in runs:
@@ -36,4 +36,4 @@ def test_local_sweep_trains_every_point_and_reports_them_side_by_side(tmp_path, 
         assert [r["step"] for r in records] == [1] and records[0]["rollout_corr/k3_kl"] < 1e-3
         assert (run / "checkpoints" / "step_1" / "manifest.json").is_file()
     report = (tmp_path / "runs" / "tinysweep" / "report" / "report.md").read_text()
-    assert "tinysweep/lr=1e-3" in report and "tinysweep/lr=4e-3" in report
+    assert "tinysweep/lr=0.001" in report and "tinysweep/lr=0.004" in report

@@ -55,8 +55,10 @@ def dense_run(tmp_path_factory, node_cluster, tiny_dense_path, small_demo_config
             "trainer.checkpoint_every=0",  # the checkpoint at step 2 is SIGTERM's
             "eval.every=0",  # no evaluation: not at start, not at the end, and its data is never read
             "eval.data=BytedTsinghua-SIA/AIME-2024",  # a hub dataset, unreachable offline
+            f"logging.mlflow_tracking_uri=file:{tmp / 'mlruns'}",
         ],
     )
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # MLflow 3 asks for this to use a file store
     ours = signal.getsignal(signal.SIGTERM)
     printed = io.StringIO()
     out = SimpleNamespace(dir=tmp / "dense")
@@ -176,6 +178,15 @@ def test_resume_past_a_damaged_checkpoint_keeps_the_good_one(dense_run, tmp_path
     assert [s for s, _ in checkpoint_dirs(run)] == [2, 3]
     assert "adapter_model.safetensors" in (ckpts / "damaged" / "step_4" / WHY).read_text()
     assert _steps(run) == [1, 2, 3]
+
+    # The resumed run went on in the MLflow run the first one started (the copy holds its id).
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"file:{dense_run.dir.parent / 'mlruns'}")
+    run_id = (run / "mlflow_run_id").read_text().strip()
+    assert run_id == (dense_run.dir / "mlflow_run_id").read_text().strip()
+    assert [m.step for m in client.get_metric_history(run_id, "reward/mean")] == [1, 2, 3]
+    assert client.get_run(run_id).data.params["trainer.num_ranks"] == "2"
 
     for step in (2, 3):
         f = ckpts / f"step_{step}" / "trainer" / "optimizer.pt"

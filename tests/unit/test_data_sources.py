@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rl.data import arith, sources
+from rl.data.problems import MAX_LISTED, ROWS_NOTE, DataError
 from rl.data.prompts import dapo_prompt
 from rl.data.sources import load_prompts, load_source, parse_spec
 
@@ -253,19 +255,22 @@ def test_integral_float_answers_are_converted(tmp_path):
     [
         (
             [2.0, 0.5],
-            r"answer column 'Answer' holds the non-integer number 0.5 in row 1; store answers as strings",
+            r"row 2: column 'Answer': the non-integer number 0.5; store answers as strings",
         ),
-        ([[1, 2], [3]], r"answer column 'Answer' holds list<.*int64>; expected strings"),
-        ([True, False], r"answer column 'Answer' holds bool"),
-        (["7", None], r"column 'Answer' is empty \(null\) in row 1"),
-        (["7", "  "], r"answer column 'Answer' is an empty string in row 1"),
+        ([[1, 2], [3]], r"column 'Answer': holds list<.*int64>; expected strings"),
+        ([True, False], r"column 'Answer': holds bool"),
+        (["7", None], r"row 2: column 'Answer': empty \(null\); expected the answer"),
+        (["7", "  "], r"row 2: column 'Answer': an empty string; expected the answer"),
     ],
 )
 def test_bad_answers_are_rejected_with_the_row(tmp_path, answers, message):
     rows = [{"Problem": f"p{i}", "Answer": a} for i, a in enumerate(answers)]
     path = _write_parquet(tmp_path / "bad.parquet", rows)
-    with pytest.raises(ValueError, match=r"bad\.parquet: " + message):
+    with pytest.raises(DataError) as e:
         load_prompts(path)
+    header, line = str(e.value).splitlines()
+    assert header == f"{path}: 1 problem ({ROWS_NOTE}):"
+    assert re.fullmatch(re.escape(path) + ": " + message + ".*", line)
 
 
 def test_verl_ground_truth_integers_are_converted_and_nulls_rejected(tmp_path):
@@ -273,20 +278,25 @@ def test_verl_ground_truth_integers_are_converted_and_nulls_rejected(tmp_path):
     assert _answers(ds) == ["7", "12"]
     assert ds[0]["reward_model"] == {"ground_truth": "7", "style": "rule"}
     with pytest.raises(
-        ValueError, match=r"null\.parquet: column 'reward_model.ground_truth' is empty \(null\) in row 1"
+        ValueError,
+        match=r"null\.parquet: row 2: column 'reward_model.ground_truth': empty \(null\); expected the answer",
     ):
         load_prompts(_write_parquet(tmp_path / "null.parquet", [_verl("a", "7"), _verl("b", None)]))
 
 
-def test_jsonl_with_mixed_answer_types_names_the_file(tmp_path):
+def test_jsonl_with_mixed_answer_types_names_the_file_and_row(tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_text(
         "\n".join(json.dumps({"Problem": f"p{i}", "Answer": a}) for i, a in enumerate([204, "025"]))
     )
-    with pytest.raises(
-        ValueError, match=r"mixed\.jsonl: cannot read it as jsonl: .*store answers as strings"
-    ):
+    with pytest.raises(DataError) as e:
         load_prompts(str(path))
+    header, line = str(e.value).splitlines()
+    assert header.startswith(f"{path}: 1 problem (") and "cannot read it as jsonl" in header
+    assert line == (
+        f"{path}: row 2: column 'Answer': a string, but row 1 holds a number; a column holds one type "
+        "(store answers as strings)"
+    )
 
 
 def test_unsupported_file_type(tmp_path):
@@ -294,3 +304,154 @@ def test_unsupported_file_type(tmp_path):
     path.write_text("problem,answer\nq,1\n")
     with pytest.raises(ValueError, match=r"aime\.csv: unsupported file type '\.csv'"):
         load_prompts(str(path))
+
+
+# Bad rows: the file's own row numbers, every problem --------------------------------------------------
+
+
+def test_a_bad_row_is_named_by_its_row_in_the_file_before_duplicates_are_dropped(tmp_path):
+    # Rows 2 and 4 repeat rows 1 and 3, so dedup keeps rows 1, 3, 5, 6, 7: the bad answer is the file's
+    # row 7, the fifth row kept.
+    problems = ["p0", "p0", "p1", "p1", "p2", "p3", "p4"]
+    answers = [1.0, 1.0, 2.0, 2.0, 3.0, 4.0, 0.5]
+    path = _write_parquet(
+        tmp_path / "dups.parquet", [{"Problem": p, "Answer": a} for p, a in zip(problems, answers)]
+    )
+    for spec in (path, f"{path}?dedup=false"):
+        with pytest.raises(DataError) as e:
+            load_prompts(spec)
+        assert e.value.lines == [
+            f"{path}: row 7: column 'Answer': the non-integer number 0.5; store answers as strings so "
+            "that their exact form is kept"
+        ]
+
+    # JSON lines: row N is the N-th record; the line is added where blank lines make it another.
+    jsonl = tmp_path / "dups.jsonl"
+    records = [json.dumps({"Problem": p, "Answer": "  " if i == 6 else "1"}) for i, p in enumerate(problems)]
+    jsonl.write_text("\n".join(records[:3] + [""] + records[3:]) + "\n")
+    with pytest.raises(DataError) as e:
+        load_prompts(str(jsonl))
+    assert e.value.lines == [
+        f"{jsonl}: row 7 (line 8): column 'Answer': an empty string; expected the answer"
+    ]
+
+
+def test_answers_of_dropped_duplicates_are_not_checked(tmp_path):
+    # Only the kept rows' answers are used, so only theirs are checked (a duplicate's is never read).
+    rows = [
+        {"Problem": "p0", "Answer": "1"},
+        {"Problem": "p0", "Answer": None},
+        {"Problem": "p1", "Answer": "2"},
+    ]
+    path = _write_parquet(tmp_path / "dupnull.parquet", rows)
+    assert _answers(load_prompts(path)) == ["1", "2"]
+    with pytest.raises(DataError, match=r"row 2: column 'Answer': empty \(null\)"):
+        load_prompts(f"{path}?dedup=false")
+
+
+def test_every_bad_row_is_counted_and_the_first_are_listed(tmp_path):
+    rows, expected = [], []  # expected: (file row, column, what) in row order
+    for n in range(1, 41):
+        problem, answer = f"What is {n} + 1?", str(n + 1)
+        if n % 4 == 0:
+            problem = None
+            expected.append((n, "Problem", "empty (null); expected the problem text"))
+        if n % 3 == 0:
+            answer = None
+            expected.append((n, "Answer", "empty (null); expected the answer"))
+        elif n % 5 == 0:
+            answer = " "
+            expected.append((n, "Answer", "an empty string; expected the answer"))
+        rows.append({"Problem": problem, "Answer": answer})
+    # Null problems are all one prompt to dedup: check every row's answer here.
+    path = _write_parquet(tmp_path / "many.parquet", rows)
+    assert len(expected) > MAX_LISTED
+    with pytest.raises(DataError) as e:
+        load_prompts(f"{path}?dedup=false")
+    lines = str(e.value).splitlines()
+    assert e.value.total == len(expected)
+    assert lines[0] == f"{path}: {len(expected)} problems ({ROWS_NOTE}):"
+    assert lines[1:-1] == [f"{path}: row {n}: column {c!r}: {what}" for n, c, what in expected[:MAX_LISTED]]
+    assert lines[-1] == f"{path}: and {len(expected) - MAX_LISTED} more (the first {MAX_LISTED} are listed)"
+
+
+def test_a_directory_names_the_file_and_its_own_row(tmp_path):
+    good = [{"Problem": f"a{i}", "Answer": str(i)} for i in range(3)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
+    bad = [
+        {"Problem": "b0", "Answer": "0"},
+        {"Problem": "b1", "Answer": "1"},
+        {"Problem": "b2", "Answer": None},
+    ]
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
+    with pytest.raises(DataError) as e:
+        load_prompts(str(tmp_path))
+    assert str(e.value).splitlines()[0].startswith(f"{tmp_path}: 1 problem (")
+    assert e.value.lines == [
+        f"{tmp_path / 'b.jsonl'}: row 3: column 'Answer': empty (null); expected the answer"
+    ]
+
+
+def test_verl_rows_with_null_prompts_messages_and_sources_are_all_listed(tmp_path):
+    msg = [{"content": "q", "role": "user"}]
+    rows = [
+        {"data_source": "x", "prompt": msg, "reward_model": {"ground_truth": "1"}},
+        {"data_source": None, "prompt": None, "reward_model": {"ground_truth": "1"}},
+        {
+            "data_source": "x",
+            "prompt": [{"content": None, "role": "user"}],
+            "reward_model": {"ground_truth": "2"},
+        },
+        {
+            "data_source": "x",
+            "prompt": [{"content": "r", "role": "user"}],
+            "reward_model": {"ground_truth": ""},
+        },
+    ]
+    path = _write_parquet(tmp_path / "verl.parquet", rows)
+    with pytest.raises(DataError) as e:
+        load_prompts(path)
+    assert e.value.lines == [
+        f"{path}: row 2: column 'prompt': empty (null); expected chat messages (a list of {{role, content}})",
+        f"{path}: row 2: column 'data_source': empty (null); expected a string (or data_source= in the spec)",
+        f"{path}: row 3: column 'prompt': a message that is null or has no role or content; expected "
+        "{role, content}",
+        f"{path}: row 4: column 'reward_model.ground_truth': an empty string; expected the answer",
+    ]
+    # data_source= in the spec replaces the column, so its nulls no longer matter.
+    with pytest.raises(DataError) as e:
+        load_prompts(f"{path}?data_source=y")
+    assert [line.split(": ")[2] for line in e.value.lines] == [
+        "column 'prompt'",
+        "column 'prompt'",
+        "column 'reward_model.ground_truth'",
+    ]
+
+
+def test_jsonl_that_pyarrow_cannot_read_lists_every_bad_record(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text(
+        "\n".join(
+            [
+                json.dumps({"Problem": "p0", "Answer": "1"}),
+                '{"Problem": "p1", "Answer": ',  # cut short
+                "",
+                json.dumps(["p2", "3"]),
+                json.dumps({"Problem": "p3", "Answer": 4}),
+                json.dumps({"Problem": {"text": "p4"}, "Answer": "5"}),
+            ]
+        )
+        + "\n"
+    )
+    with pytest.raises(DataError) as e:
+        load_prompts(str(path))
+    header = str(e.value).splitlines()[0]
+    assert header.startswith(f"{path}: 4 problems (") and "JSON files must hold one object per line" in header
+    assert e.value.lines == [
+        f"{path}: row 2: not valid JSON (Expecting value at character 29); expected one JSON object per line",
+        f"{path}: row 3 (line 4): a list; expected one JSON object per line",
+        f"{path}: row 4 (line 5): column 'Answer': a number, but row 1 holds a string; a column holds one type "
+        "(store answers as strings)",
+        f"{path}: row 5 (line 6): column 'Problem': an object, but row 1 holds a string; a column holds one type "
+        "(store answers as strings)",
+    ]
