@@ -64,7 +64,7 @@ def matmul_tflops(n: int, iters: int = 10) -> float:
 def train_samples(n: int, seq_len: int, prompt_len: int, config: dict, seed: int = 0) -> list:
     """n sequences of random tokens (the last seq_len - prompt_len the response), each token routed to
     top_k consecutive experts from a random start (uniform expert load), for R3 replay."""
-    from rl.batch import Sample
+    from rl.core.batch import Sample
 
     experts = config.get("num_experts") or config["num_local_experts"]
     layers, top_k = config["num_hidden_layers"], config["num_experts_per_tok"]

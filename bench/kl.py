@@ -23,7 +23,7 @@ from bench.common import Bench, main, sync_adapter
 
 
 def _row(name: str, trainer_logp: list, samples: list, extra: dict | None = None) -> dict:
-    from rl import algo
+    from rl.core import algo
     from rl.driver import mismatch_tensors
 
     padded = mismatch_tensors(trainer_logp, samples)

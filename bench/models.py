@@ -4,7 +4,7 @@ Each is random init, then a short supervised fine-tune on 2-digit arithmetic (rl
 outputs are peaked: a random model has near-tied logits, and then NVFP4-vs-BF16 KL and routing agreement
 measure noise, not the quantization (../shared/gpu/NOTES.md). Three copies are written per model:
 `bf16/` (the SFT result), `nvfp4/` (rl.quantize, weight-only NVFP4) and `dq/` (its exact BF16
-dequantization: what the trainer computes with). The tokenizer is rl.models.tiny's local BPE (vocab
+dequantization: what the trainer computes with). The tokenizer is rl.tiny's local BPE (vocab
 ~1k), so the LM head is negligible and the figures are those of the decoder layers.
 
 Built once into `<root>/<name>-<hash>/` (the hash covers the spec and BUILD_VERSION); a later call reuses it.
@@ -76,7 +76,7 @@ QWEN3_MOE = ModelSpec(
     top_k=8,
     moe_intermediate=768,
 )
-# --tiny (CPU): rl.models.tiny's sizes; the SFT only has to run, not to converge.
+# --tiny (CPU): rl.tiny's sizes; the SFT only has to run, not to converge.
 TINY = {
     "muse": ModelSpec(
         "muse",
@@ -188,7 +188,7 @@ def build(spec: ModelSpec, root: Path, log=print) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from rl.models.tiny import EOS_TOKEN, PAD_TOKEN, train_tokenizer
+    from rl.tiny import EOS_TOKEN, PAD_TOKEN, train_tokenizer
 
     shutil.rmtree(d, ignore_errors=True)  # a half-built one from a killed run
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -293,7 +293,7 @@ def quantize_and_dequantize(d: Path, device: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The short SFT (rl.models.tiny_sft's task and batching, on the GPU, clean targets: peaked outputs).
+# The short SFT (rl.tiny_sft's task and batching, on the GPU, clean targets: peaked outputs).
 
 
 def sft_rows(spec: ModelSpec, n: int, split: str):
@@ -304,7 +304,7 @@ def sft_rows(spec: ModelSpec, n: int, split: str):
 
 def sft(model, tokenizer, spec: ModelSpec, device: str, log) -> dict:
     from rl.data.arith import sft_response
-    from rl.models.tiny_sft import _batch, _encode
+    from rl.tiny_sft import _batch, _encode
 
     rng = random.Random(SEED)
     rows = sft_rows(spec, spec.sft_steps * spec.sft_batch, "sft")
@@ -357,8 +357,8 @@ def sft(model, tokenizer, spec: ModelSpec, device: str, log) -> dict:
 def heldout(model, tokenizer, spec: ModelSpec, device: str, n: int = 64) -> tuple[float, float]:
     """(sampled accuracy at temperature 1, mean entropy of the next-token distribution over the sampled
     response tokens, in nats): how peaked the model is where the benchmarks sample it."""
-    from rl.models.tiny_sft import _encode, left_pad
     from rl.reward import score
+    from rl.tiny_sft import _encode, left_pad
 
     rows = sft_rows(spec, n, "heldout")
     ids, mask = left_pad([_encode(tokenizer, r, "")[0] for r in rows], tokenizer.pad_token_id)

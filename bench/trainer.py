@@ -33,7 +33,7 @@ def active_params(model_path: str) -> tuple[int, int]:
     text = getattr(config, "text_config", None) or config
     with torch.device("meta"):
         model = auto_causal_lm().from_config(config)
-    from rl.model_info import num_experts
+    from rl.core.model_info import num_experts
 
     experts = num_experts(text.to_dict())
     share = text.num_experts_per_tok / experts if experts else 1.0
@@ -46,7 +46,7 @@ def active_params(model_path: str) -> tuple[int, int]:
 
 
 def make_samples(args, vocab: int, layers: int, top_k: int, experts: int) -> list:
-    from rl.batch import Sample
+    from rl.core.batch import Sample
 
     rng = np.random.default_rng(0)
     out = []
@@ -72,7 +72,7 @@ def make_samples(args, vocab: int, layers: int, top_k: int, experts: int) -> lis
 
 
 def measure(s, args) -> list[dict]:
-    from rl.model_info import num_experts
+    from rl.core.model_info import num_experts
     from rl.models import auto_config
 
     ro = s.cfg.rollout

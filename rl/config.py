@@ -313,12 +313,12 @@ class AlgorithmConfig:
         "grpo",
         "Advantage estimator: grpo (group-centred rewards over the group's standard deviation), drgrpo "
         "(group-centred, not divided), rloo (leave-one-out baseline).",
-        Registered("rl.algo", "ADV_ESTIMATORS"),
+        Registered("rl.core.algo", "ADV_ESTIMATORS"),
     )
     policy_loss: str = _f(
         "vanilla",
         "Token-level clipped PPO (vanilla, also named ppo) or sequence-level ratio (gspo).",
-        Registered("rl.algo", "POLICY_LOSSES"),
+        Registered("rl.core.algo", "POLICY_LOSSES"),
     )
     clip_ratio_low: float = _f(0.2, "Lower clip: ratio >= 1 - clip_ratio_low.", ge=0, le=1)
     clip_ratio_high: float = _f(0.28, "Upper clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher).", ge=0)
@@ -326,7 +326,7 @@ class AlgorithmConfig:
     loss_agg_mode: str = _f(
         "token-mean",
         "How token losses are averaged.",
-        Registered("rl.algo", "LOSS_AGG_MODES"),
+        Registered("rl.core.algo", "LOSS_AGG_MODES"),
     )
     entropy_coeff: float = _f(
         0.0,
@@ -737,7 +737,7 @@ def find_recipe(recipe: str | Path) -> Path:
     if path.is_file():
         return path
     if path.parent == Path(".") and path.suffix in ("", ".yaml"):
-        from rl.paths import shipped_dir
+        from rl.core.paths import shipped_dir
 
         try:
             shipped = shipped_dir("recipes") / f"{path.stem}.yaml"

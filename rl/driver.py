@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rl import algo
-from rl.batch import RoutingLost, Sample
 from rl.checkpoint import Checkpoints, latest_checkpoint, load_driver_state
 from rl.config import MAX_DRAWS, SparkConfig, run_dir, save_config
+from rl.core import algo
+from rl.core.batch import RoutingLost, Sample
 from rl.data.loader import Prompt, PromptLoader
 from rl.metrics import MetricsLogger
 from rl.monitor import KLMonitor, StopRun

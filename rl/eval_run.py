@@ -13,15 +13,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rl.adapter_files import read_peft_dir
 from rl.checkpoint import latest_checkpoint
 from rl.config import SparkConfig, run_dir
+from rl.core.adapter_files import read_peft_dir
 
 
 def resolve_target(recipe: str, overrides: list[str], adapter: str | None) -> tuple[SparkConfig, Path | None]:
     """The config and the adapter to evaluate. A run directory is the run wherever it now lies: its records
     go to its own `eval/`, and its newest good checkpoint gives the adapter."""
-    from rl.cli import absolute_run_dir, load_target
+    from rl.target import absolute_run_dir, load_target
 
     cfg = load_target(recipe, overrides)
     absolute_run_dir(cfg)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from rl.reward import ERROR_PRED, INVALID, TIMEOUT_PRED
 
 if TYPE_CHECKING:
-    from rl.batch import Sample
+    from rl.core.batch import Sample
 
 NO_ANSWER = frozenset({INVALID, ERROR_PRED, TIMEOUT_PRED})
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl import resource_wait
 from rl.config import SparkConfig
+from rl.core import resource_wait
 
 COLOCATED_SHARE = 0.5  # of a colocated GPU, in Ray's accounting, for the trainer rank and for the engine
 

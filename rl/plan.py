@@ -42,8 +42,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl import model_info
-from rl.model_info import quantization_kind
+from rl.core import model_info
+from rl.core.model_info import quantization_kind
 
 GiB = 2**30
 NVFP4_BYTES = 0.5 + 1 / 16  # FP4 values plus one FP8 scale per 16 (the per-tensor global scale is negligible)
@@ -296,10 +296,10 @@ def _builtin(path: str) -> ModelShape | None:
 def model_shape(cfg) -> ModelShape:
     m = cfg.model
     if m.make_tiny.arch:
-        from rl.models.tiny import VOCAB_SIZE, model_config
+        from rl.tiny import VOCAB_SIZE, model_config
 
         hf = model_config(m.make_tiny.arch, VOCAB_SIZE, eos_id=1, pad_id=0).to_dict()
-        return shape_from_hf(hf, f"make-tiny {m.make_tiny.arch}", "make-tiny's config (rl/models/tiny.py)")
+        return shape_from_hf(hf, f"make-tiny {m.make_tiny.arch}", "make-tiny's config (rl/tiny.py)")
     for path in (m.path, m.rollout_path):
         found = _local_config(path)
         if found is None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rl.batch import Sample
+    from rl.core.batch import Sample
 
 INVALID = "[INVALID]"
 BACKENDS = ("math_dapo", "math_verify")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rl.batch import Sample
+from rl.core.batch import Sample
 
 ROW_KEYS = (
     "step",

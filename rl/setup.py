@@ -36,7 +36,7 @@ def resolve_model_paths(cfg: SparkConfig) -> tuple[str, str]:
     """(trainer weights, rollout weights); `model.make_tiny` builds (or takes from cache) a tiny model."""
     tiny = cfg.model.make_tiny
     if tiny.arch:
-        from rl.models.tiny import make_tiny
+        from rl.tiny import make_tiny
 
         path = str(make_tiny(tiny.arch, seed=tiny.seed, sft=tiny.sft or None))
         return path, path
@@ -87,12 +87,12 @@ def init_ray(cfg: SparkConfig, log_dir: Path | None = None) -> bool:
     joined Ray, so the run should shut it down. A joined cluster is checked for the CPU slots, GPUs and
     nodes the run needs (rl.preflight).
 
-    log_dir: where the workers write their own output (rl/worker_logs.py); the terminal then shows only the
+    log_dir: where the workers write their own output (rl/core/worker_logs.py); the terminal then shows only the
     driver's progress. None keeps Ray's default of streaming every worker's lines to the driver."""
     import ray
 
+    from rl.core.worker_logs import LOG_DIR_ENV
     from rl.preflight import check_cluster, cluster_info
-    from rl.worker_logs import LOG_DIR_ENV
 
     if ray.is_initialized():
         return False
@@ -139,11 +139,11 @@ def init_ray(cfg: SparkConfig, log_dir: Path | None = None) -> bool:
 
 
 def waiting_for_resources(cfg: SparkConfig, what: str, placement_group_name: str | None = None, out=None):
-    """The block that creates workers, reporting what is pending (rl.resource_wait) every
+    """The block that creates workers, reporting what is pending (rl.core.resource_wait) every
     `resources.wait_report_s` and giving up after `resources.wait_timeout_s`."""
     from functools import partial
 
-    from rl.resource_wait import pending_summary, report_pending
+    from rl.core.resource_wait import pending_summary, report_pending
 
     r = cfg.resources
     summary = partial(pending_summary, placement_group_name)
@@ -201,7 +201,7 @@ def base_format(setting: str, model_path: str) -> str:
 
 
 def trainer_spec(cfg: SparkConfig, model_path: str):
-    from rl.algo import AlgoConfig
+    from rl.core.algo import AlgoConfig
     from trainer.minibatch import steps_per_batch
     from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
 

@@ -220,8 +220,8 @@ def train_command(
 ) -> TrainCommand:
     """The job's argv `python -m rl train RECIPE overrides... run.dir=<abs>`, its run directory and name.
     Loads the config here first, so a bad recipe or override fails before anything is submitted. A run
-    directory is that run, where it lies now (rl.cli.load_target)."""
-    from rl.cli import load_target
+    directory is that run, where it lies now (rl.target.load_target)."""
+    from rl.target import load_target
 
     cfg = load_target(recipe, overrides)
     path = find_recipe(recipe)

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from rl import resource_wait
+from rl.core import resource_wait
 from rollout.spec import EngineBundles, EngineSpec, PromptRequest, SamplingSpec
 from rollout.worker import RolloutWorker
 
@@ -81,7 +81,7 @@ class RolloutPool:
 
     def wait_ready(self) -> None:
         """Until every engine has started (`wait=False` left the caller to call this, after starting other
-        workers beside them). Surfaces engine start errors; inside rl.resource_wait.report_pending, says
+        workers beside them). Surfaces engine start errors; inside rl.core.resource_wait.report_pending, says
         what is pending."""
         resource_wait.get([w.ping.remote() for w in self.workers])
 

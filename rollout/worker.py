@@ -20,10 +20,10 @@ import numpy as np
 import ray
 import torch
 
-from rl.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft_dir
-from rl.batch import Sample
-from rl.model_info import num_experts, quantization_kind, vllm_lora_rank
-from rl.worker_logs import capture
+from rl.core.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft_dir
+from rl.core.batch import Sample
+from rl.core.model_info import num_experts, quantization_kind, vllm_lora_rank
+from rl.core.worker_logs import capture
 from rollout.adapter_layout import merged_to_checkpoint, peft_to_vllm, sibling_prefix
 from rollout.lora_kernels import HopperLoraConfigs, hopper_gpu_name
 from rollout.safetensors_io import write_safetensors
@@ -267,7 +267,7 @@ class RolloutWorker:
     forwards them to all its workers, as it does `collective_rpc`."""
 
     def __init__(self, spec: EngineSpec, stage: str | Path, bundles: EngineBundles | None = None):
-        # This worker's output, and its engine-core process's, into the run's logs/ (rl/worker_logs.py).
+        # This worker's output, and its engine-core process's, into the run's logs/ (rl/core/worker_logs.py).
         capture(f"rollout-{os.getpid()}")
         self.spec = spec
         self.bundles = bundles

@@ -60,20 +60,20 @@ def _environment_of_the_session():
 
 @pytest.fixture(scope="session")
 def tiny_moe_path():
-    from rl.models.tiny import make_tiny
+    from rl.tiny import make_tiny
 
     return make_tiny("qwen3_moe")
 
 
 @pytest.fixture(scope="session")
 def tiny_dense_path():
-    from rl.models.tiny import make_tiny
+    from rl.tiny import make_tiny
 
     return make_tiny("dense")
 
 
 @pytest.fixture(scope="session")
 def tiny_moe_sft_path():
-    from rl.models.tiny import make_tiny
+    from rl.tiny import make_tiny
 
     return make_tiny("qwen3_moe", sft="arith")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rl.batch import Sample
+from rl.core.batch import Sample
 
 
 def check_lengths(samples: list[Sample], max_seq_len: int, sample_ids: list[int] | None = None) -> None:

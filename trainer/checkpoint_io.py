@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from rl.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from rl.paths import cache_dir
+from rl.core.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from rl.core.paths import cache_dir
 from trainer.nvfp4 import dequantize_nvfp4, is_nvfp4_checkpoint
 
 

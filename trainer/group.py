@@ -11,9 +11,9 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from rl import resource_wait
-from rl.batch import Sample
-from rl.worker_logs import crash_report
+from rl.core import resource_wait
+from rl.core.batch import Sample
+from rl.core.worker_logs import crash_report
 from trainer.batching import in_batch_order, split_by_tokens
 from trainer.minibatch import mini_batch_plan, steps_per_batch
 from trainer.rendezvous import rank0_endpoint

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rl import algo
+from rl.core import algo
 
 # The index that keeps no logits: the decoder runs, the head in the model's forward sees zero rows.
 NO_LOGITS = torch.zeros(0, dtype=torch.long)

@@ -18,7 +18,7 @@ from torch import nn
 
 from trainer.lora_experts import use_grouped_expert_lora
 
-if TYPE_CHECKING:  # trainer.spec imports verl (rl.algo); this module runs without it
+if TYPE_CHECKING:  # trainer.spec imports verl (rl.core.algo); this module runs without it
     from trainer.spec import LoraSpec
 
 ADAPTER_NAME = "default"
@@ -131,6 +131,15 @@ def peft_config_dict(model: nn.Module, base_model_path: str) -> dict:
     return json.loads(json.dumps(cfg, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
 
+# The segment activation checkpointing's wrapper adds to every name below it (trainer/parallelize.py).
+CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without activation checkpointing's wrapper segment (the PEFT model's name)."""
+    return name.replace(CHECKPOINT_WRAPPER, "")
+
+
 def base_name(fqn: str) -> str:
     """A PEFT model's parameter name -> the wrapped model's own (PEFT's prefix and base_layer hops off)."""
     return fqn.removeprefix("base_model.model.").replace(".base_layer", "")
@@ -169,8 +178,6 @@ def check_adapter(expected: dict[str, tuple[int, ...]], given: dict[str, torch.T
 # ----------------------------------------------------------------------------------------------------
 # Merging (sync.mode merged): W + scaling * B @ A, per expert for the fused expert parameters.
 
-_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
-
 
 def lora_layout(model: nn.Module) -> list[dict]:
     """Where each LoRA layer of a PEFT model sits and how to merge it (names as the state-dict API
@@ -181,7 +188,7 @@ def lora_layout(model: nn.Module) -> list[dict]:
     for name, m in model.named_modules():
         if not isinstance(m, LoraLayer) or ADAPTER_NAME not in m.lora_A:
             continue
-        entry = {"prefix": name.replace(_WRAPPER_PREFIX, ""), "scaling": m.scaling[ADAPTER_NAME]}
+        entry = {"prefix": unwrapped_name(name), "scaling": m.scaling[ADAPTER_NAME]}
         if isinstance(m, ParamWrapper):
             # Several parameters of one module nest their wrappers: count the base_layer hops.
             depth, base = 1, m.base_layer

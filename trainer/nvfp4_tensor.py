@@ -268,7 +268,7 @@ def gather_frozen(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]
     gathered; packed ones gathered packed and dequantized to their dtype. Collective: every rank calls it."""
     from torch.distributed.tensor import DTensor
 
-    from trainer.sharded_load import unwrapped_name
+    from trainer.lora import unwrapped_name
 
     out = {}
     for name, param in model.named_parameters():

@@ -56,7 +56,7 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh: DeviceMesh, mp: Mi
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     # The root holds the embeddings, the final norm and the LM head.
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    # rl/algo.py normalises every micro-batch loss by the global token count, so the gradient reduction
+    # rl/core/algo.py normalises every micro-batch loss by the global token count, so the gradient reduction
     # across ranks must be a SUM (FSDP2's default averages). Factor 1 alone becomes NCCL's PREMUL_SUM, which
     # gloo lacks; forcing sum-only comms makes it a plain SUM on both (and zero-copy on NCCL).
     for m in model.modules():

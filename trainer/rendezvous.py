@@ -65,6 +65,6 @@ def rank0_endpoint(rank0_options: dict) -> tuple[str, int]:
     """`node_endpoint` of the node that rank 0's actor options (its resources, its placement-group bundle)
     place it on: a task of the same shape runs there first. The port is free when the task looks; rank 0
     binds it seconds later."""
-    from rl import resource_wait
+    from rl.core import resource_wait
 
     return resource_wait.get(ray.remote(node_endpoint).options(**rank0_options).remote())

@@ -27,11 +27,9 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from trainer.lora import base_name
+from trainer.lora import base_name, unwrapped_name
 from trainer.nvfp4_tensor import NVFP4Weight
 
-# The segment activation checkpointing's wrapper adds to parameter names.
-_CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.down_proj\.weight(_packed)?$")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)$")
 _PACKED_KEYS = ("weight_packed", "weight_scale", "weight_global_scale")
@@ -47,11 +45,6 @@ def build_empty_model(path: str, dtype: torch.dtype) -> nn.Module:
     with init_empty_weights(include_buffers=False):
         model = auto_causal_lm().from_config(config, dtype=dtype)
     return model
-
-
-def unwrapped_name(name: str) -> str:
-    """A parameter's name without activation checkpointing's wrapper segment (the PEFT model's name)."""
-    return name.replace(_CHECKPOINT_WRAPPER, "")
 
 
 def checkpoint_name(name: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rl.algo import AlgoConfig
+from rl.core.algo import AlgoConfig
 
 DTYPES = ("bfloat16", "float32")
 BASE_FORMATS = ("bf16", "nvfp4")

@@ -8,8 +8,8 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from rl import algo
-from rl.batch import Sample
+from rl.core import algo
+from rl.core.batch import Sample
 from trainer.routing_replay import RoutingReplay, moe_routers
 
 

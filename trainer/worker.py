@@ -30,11 +30,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from rl import algo
-from rl.adapter_files import read_peft_dir
-from rl.batch import RoutingLost, Sample
 from rl.compat import hf_checkpoint_state_dict
-from rl.worker_logs import capture, stderr_path
+from rl.core import algo
+from rl.core.adapter_files import read_peft_dir
+from rl.core.batch import RoutingLost, Sample
+from rl.core.worker_logs import capture, stderr_path
 from trainer import checkpoint_io, logprobs, lora, sharded_load
 from trainer.batching import MicroBatch, check_lengths, in_batch_order, make_micro_batch, pack_micro_batches
 from trainer.gloo import cpu_backend
@@ -64,7 +64,7 @@ class _Prepared:
 
 class TrainerWorker:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, spec: TrainerSpec):
-        capture(f"trainer-rank{rank}")  # this rank's own output into the run's logs/ (rl/worker_logs.py)
+        capture(f"trainer-rank{rank}")  # this rank's own output into the run's logs/ (rl/core/worker_logs.py)
         self.rank, self.world_size, self.spec = rank, world_size, spec
         use_cuda = torch.cuda.is_available()
         if use_cuda:
@@ -543,7 +543,7 @@ class TrainerWorker:
         """Trainable parameter names as the state-dict API spells them (no wrapper prefixes), with the
         full (unsharded) shapes."""
         return {
-            sharded_load.unwrapped_name(n): tuple(p.shape)
+            lora.unwrapped_name(n): tuple(p.shape)
             for n, p in self.model.named_parameters()
             if p.requires_grad
         }

@@ -45,5 +45,5 @@ def test_eval_command_keeps_the_workers_output_in_the_runs_logs(tmp_path, tiny_d
     assert len(terminal.splitlines()) <= 10, terminal  # data, Ray, three metrics, the records' path
     (log,) = (run / "logs").glob("rollout-*.log")
     text = log.read_text()
-    assert text.startswith("--- rollout-")  # rl.worker_logs.capture's header: the role, pid and node
+    assert text.startswith("--- rollout-")  # rl.core.worker_logs.capture's header: the role, pid and node
     assert len(VLLM_LINE.findall(text)) >= 10 and "Initializing a V1 LLM engine" in text

@@ -83,8 +83,8 @@ def test_nvfp4_muse_with_lora_on_all_groups_and_routed_experts(tmp_path):
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from rl.models.tiny import make_tiny
     from rl.quantize import quantize
+    from rl.tiny import make_tiny
     from rollout.models import register
 
     if not any(ep.value == "rollout.models:register" for ep in entry_points(group="vllm.general_plugins")):

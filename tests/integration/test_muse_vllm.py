@@ -21,7 +21,7 @@ def _plugin_installed() -> bool:
 
 @pytest.fixture(scope="module")
 def muse_path():
-    from rl.models.tiny import make_tiny
+    from rl.tiny import make_tiny
 
     return make_tiny("muse")
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from rl import resource_wait
 from rl.config import load_config
+from rl.core import resource_wait
+from rl.core.resource_wait import ResourceWaitTimeout
 from rl.preflight import PreflightError
-from rl.resource_wait import ResourceWaitTimeout
 from rl.setup import init_ray, waiting_for_resources
 from trainer.rendezvous import free_port
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl.models.tiny import make_tiny
+from rl.tiny import make_tiny
 from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
 
 pytestmark = pytest.mark.slow

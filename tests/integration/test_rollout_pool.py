@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import ray
 
-from rl.batch import Sample
+from rl.core.batch import Sample
 from rollout.pool import RolloutPool, split_by_group
 from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
 
@@ -141,7 +141,7 @@ def _adapter(path):
 
 
 def test_engine_killed_mid_batch_is_recreated_and_the_batch_reproduced(tmp_path):
-    from rl.models.tiny import make_tiny
+    from rl.tiny import make_tiny
 
     path = make_tiny("dense")
     spec = EngineSpec(

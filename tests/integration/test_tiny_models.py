@@ -13,7 +13,7 @@ def test_sft_arith_lands_in_the_accuracy_band(tiny_moe_sft_path):
     """The cached SFT model's report, and an independent re-measure with another sampling seed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl.models.tiny_sft import ACC_BAND, heldout_accuracy
+    from rl.tiny_sft import ACC_BAND, heldout_accuracy
 
     report = json.loads((tiny_moe_sft_path / "sft_report.json").read_text())
     lo, hi = ACC_BAND

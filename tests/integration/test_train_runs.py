@@ -159,8 +159,8 @@ def test_resume_past_a_damaged_checkpoint_keeps_the_good_one(dense_run, tmp_path
     with its fault, runs step 3 and keeps step_2 and step_3: the damaged one never counts as recent. With
     every checkpoint then damaged, `sparkrl train RUN --resume` is an error naming each one, and the run
     directory is as it was."""
-    from rl.cli import load_target
     from rl.driver import train
+    from rl.target import load_target
 
     run = tmp_path / "dense"
     shutil.copytree(dense_run.dir, run)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import init_device_mesh
 
-from rl.models.tiny import make_tiny
+from rl.tiny import make_tiny
 from trainer.gloo import cpu_backend
 from trainer.lora import apply_lora
 from trainer.lora_experts import GroupedLoraExperts

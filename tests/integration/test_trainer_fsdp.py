@@ -12,9 +12,9 @@ import pytest
 import ray
 import torch
 
-from rl.algo import AlgoConfig
 from rl.compat import hf_checkpoint_state_dict
-from rl.models.tiny import make_tiny
+from rl.core.algo import AlgoConfig
+from rl.tiny import make_tiny
 from trainer.checkpoint_io import write_adapter
 from trainer.group import TrainerGroup
 from trainer.lora import apply_lora

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from rl.worker_logs import capture, stderr_path
+from rl.core.worker_logs import capture, stderr_path
 from trainer import group as group_module
 from trainer.group import TrainerGroup, TrainerRankLost
 

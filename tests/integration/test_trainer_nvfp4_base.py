@@ -86,8 +86,8 @@ def _rank_main(rank, world, port, nvfp4, cache, out_dir):
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "muse"])
 def results(request, tmp_path_factory):
-    from rl.models.tiny import make_tiny
     from rl.quantize import quantize
+    from rl.tiny import make_tiny
 
     root = tmp_path_factory.mktemp(request.param)
     nvfp4 = quantize(make_tiny(request.param), root / "nvfp4")

@@ -24,7 +24,7 @@ def _rank_main(rank, world, port, path, activation_checkpointing, out_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from trainer import sharded_load
+    from trainer import lora, sharded_load
     from trainer.gloo import cpu_backend
     from trainer.lora import apply_lora
     from trainer.parallelize import parallelize
@@ -46,12 +46,10 @@ def _rank_main(rank, world, port, path, activation_checkpointing, out_dir):
         )
         read = sharded_load.materialize(model, path, torch.device("cpu"), kept)
         full = {
-            sharded_load.unwrapped_name(n): (p.full_tensor() if isinstance(p, DTensor) else p)
-            .detach()
-            .clone()
+            lora.unwrapped_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in model.named_parameters()
         }
-        full.update({sharded_load.unwrapped_name(n): b.clone() for n, b in model.named_buffers()})
+        full.update({lora.unwrapped_name(n): b.clone() for n, b in model.named_buffers()})
         if rank == 0:
             torch.save(full, os.path.join(out_dir, "state.pt"))
         torch.save(read, os.path.join(out_dir, f"read{rank}.pt"))
@@ -87,7 +85,7 @@ def _reference(path):
     [("qwen3_moe", 3, False), ("muse", 2, True), ("dense", 2, False)],
 )
 def test_sharded_load_equals_from_pretrained(arch, world, activation_checkpointing, tmp_path):
-    from rl.models.tiny import make_tiny
+    from rl.tiny import make_tiny
 
     path = make_tiny(arch)
     state, reads = _run(world, path, tmp_path, activation_checkpointing)
@@ -114,7 +112,7 @@ def test_a_checkpoint_that_does_not_match_the_model_is_named(tmp_path):
     import json
     import shutil
 
-    from rl.models.tiny import make_tiny
+    from rl.tiny import make_tiny
 
     src = make_tiny("dense")
     bad = tmp_path / "bad"

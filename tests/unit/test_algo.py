@@ -1,4 +1,4 @@
-"""rl.algo: hand-computed cases for every formula, hypothesis properties, and split invariance."""
+"""rl.core.algo: hand-computed cases for every formula, hypothesis properties, and split invariance."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl import algo
+from rl.core import algo
 
 T = torch.tensor
 

@@ -322,7 +322,7 @@ def test_engine_args_reach_vllm_over_the_settings_sparkrl_makes(tmp_path):
 
 
 def test_choices_are_the_registries_names(tmp_path):
-    from rl import algo
+    from rl.core import algo
 
     assert set(algo.ADV_ESTIMATORS) == {"grpo", "drgrpo", "rloo"}
     for name in algo.POLICY_LOSSES:

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from rl.batch import Sample
+from rl.core.batch import Sample
 from rl.evaluation import (
     EvalRecord,
     best_at_k,

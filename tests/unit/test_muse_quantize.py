@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from rl.models.tiny import ARCHES
+from rl.tiny import ARCHES
 
 
 @pytest.fixture(scope="module", params=ARCHES)
 def quantized(request, tmp_path_factory):
-    from rl.models.tiny import make_tiny
     from rl.quantize import quantize
+    from rl.tiny import make_tiny
     from trainer.nvfp4 import dequantize_nvfp4
 
     src = make_tiny(request.param)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rl.models.tiny import make_tiny
 from rl.quantize import quantize
+from rl.tiny import make_tiny
 from trainer.checkpoint_io import dequantize_checkpoint
 from trainer.nvfp4_tensor import NVFP4Weight, dequantize
 from trainer.sharded_load import CheckpointRows, build_empty_model, checkpoint_name

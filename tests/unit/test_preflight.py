@@ -15,10 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rl.cli import _check_resume_config, absolute_run_dir, build_parser, load_target, main, parse_args
+from rl.cli import _check_resume_config, build_parser, main, parse_args
 from rl.config import load_config, run_dir, save_config
 from rl.data.problems import MAX_LISTED
 from rl.preflight import HUB_TIMEOUT_S, ClusterInfo, Hub, PreflightError, check_cluster, is_moe, preflight
+from rl.target import absolute_run_dir, load_target
 
 DEMO = ["logging.tensorboard=false"]
 

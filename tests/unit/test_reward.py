@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rl import reward
-from rl.batch import Sample
+from rl.core.batch import Sample
 from rl.reward import ERROR_PRED, INVALID, TIMEOUT_PRED, RewardPool, score, score_batch
 
 LONG_TAIL = "\n\nLet me double-check the arithmetic once more. " + "It holds. " * 40

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rl.models.tiny import make_tiny
+from rl.tiny import make_tiny
 from rollout.adapter_layout import (
     AdapterLayoutError,
     _scaled,

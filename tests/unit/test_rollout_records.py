@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from rl.batch import Sample
+from rl.core.batch import Sample
 from rl.rollout_records import (
     ROW_KEYS,
     clip_text,

@@ -176,7 +176,7 @@ def test_marlin_is_pinned_for_nvfp4_experts_with_lora():
 
 
 def test_quantization_is_read_from_the_checkpoint_config():
-    from rl.model_info import quantization_kind
+    from rl.core.model_info import quantization_kind
 
     nvfp4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
     grouped = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rl.cli import main
-from rl.models import tiny
+from rl import tiny
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_unknown_arch_is_a_clear_error():
 
 
 def test_sft_progress_without_a_terminal_is_a_line_every_five_percent(capsys):
-    from rl.models.tiny_sft import _progress
+    from rl.tiny_sft import _progress
 
     with _progress(500) as advance:  # capsys: stdout is not a terminal
         for step in range(500):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl.batch import Sample
+from rl.core.batch import Sample
 from trainer.batching import check_lengths, make_micro_batch, pack_micro_batches, split_by_tokens
 
 

@@ -10,8 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from rl import algo
-from rl.models.tiny import make_tiny
+from rl.core import algo
+from rl.tiny import make_tiny
 from trainer.logprobs import NO_LOGITS, FinalHidden, head_logprobs
 from trainer.lora import apply_lora
 from trainer.spec import LoraSpec

@@ -7,9 +7,9 @@ import pytest
 import torch
 from peft import PeftModel, get_peft_model_state_dict
 
-from rl.adapter_files import read_peft_dir
 from rl.compat import hf_checkpoint_state_dict
-from rl.models.tiny import make_tiny
+from rl.core.adapter_files import read_peft_dir
+from rl.tiny import make_tiny
 from trainer.checkpoint_io import write_adapter
 from trainer.lora import apply_lora, check_adapter, lora_config, lora_layout, merge_lora, peft_config_dict
 from trainer.spec import LoraSpec

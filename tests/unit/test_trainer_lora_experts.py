@@ -7,7 +7,7 @@ import pytest
 import torch
 from peft.tuners.lora.layer import ParamWrapper
 
-from rl.models.tiny import make_tiny
+from rl.tiny import make_tiny
 from trainer.lora import apply_lora
 from trainer.lora_experts import GroupedLoraExperts, allow_on_cpu
 from trainer.routing_replay import RoutingReplay

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rl.models.tiny import make_tiny
+from rl.tiny import make_tiny
 from trainer.checkpoint_io import dequantize_checkpoint, load_base_model, resolve_base_model
 from trainer.nvfp4 import is_nvfp4_checkpoint, nvfp4_scheme, quantize_nvfp4
 

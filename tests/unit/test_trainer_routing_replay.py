@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl.models.tiny import make_tiny
+from rl.tiny import make_tiny
 from trainer.lora import apply_lora, expert_slices
 from trainer.routing_replay import RoutingReplay
 from trainer.spec import LoraSpec

@@ -1,4 +1,4 @@
-"""Workers' output goes to the run's logs/ (rl/worker_logs.py): Python prints, native writes to fd 2, and a
+"""Workers' output goes to the run's logs/ (rl/core/worker_logs.py): Python prints, native writes to fd 2, and a
 child process's output all land in the role's file; nothing changes without a log directory."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import subprocess
 import sys
 import textwrap
 
-from rl.worker_logs import LOG_DIR_ENV, crash_report
+from rl.core.worker_logs import LOG_DIR_ENV, crash_report
 from rollout.vllm_ext import ExpertReloadWarningFilter
 
 CHILD = textwrap.dedent(
     """
     import os, subprocess, sys
-    from rl.worker_logs import capture
+    from rl.core.worker_logs import capture
     print("before capture", flush=True)
     path = capture("trainer-rank3")
     print("python print", flush=True)
@@ -68,7 +68,7 @@ def test_reload_warning_filter_drops_only_the_expert_bookkeeping_message():
 CRASH = textwrap.dedent(
     """
     import ctypes, resource, threading, time
-    from rl.worker_logs import capture
+    from rl.core.worker_logs import capture
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file of this crash where core dumps are on
     capture("trainer-rank0")
     print("step 1 done", flush=True)

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-_CHECKOUT = Path(__file__).resolve().parent.parent
+_CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def shipped_dir(name: str) -> Path:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from rl.core.paths import cache_dir
 from rl.data.arith import ArithSpec, make_rows, sft_response
-from rl.paths import cache_dir
 
 ARCHES = ("dense", "qwen3_moe", "muse")
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -140,14 +140,16 @@ def cache_key(arch: str, seed: int, sft: str | None) -> str:
     """Hash of the arguments and of the code that builds the model: a code change invalidates the cache."""
     import transformers
 
-    from rl.models import tiny_sft
+    from rl import tiny_sft
 
     h = hashlib.sha256()
     h.update(json.dumps([arch, seed, sft, transformers.__version__, torch.__version__]).encode())
     for module in (__file__, tiny_sft.__file__, make_rows.__code__.co_filename):
         h.update(Path(module).read_bytes())
     if arch == "muse":  # the model's own code is part of what make-tiny builds
-        for module in sorted((Path(__file__).parent / "muse").glob("*.py")):
+        import rl.models.muse
+
+        for module in sorted(Path(rl.models.muse.__file__).parent.glob("*.py")):
             h.update(module.read_bytes())
     return h.hexdigest()[:16]
 
@@ -155,7 +157,7 @@ def cache_key(arch: str, seed: int, sft: str | None) -> str:
 def make_tiny(arch: str, out: str | Path | None = None, seed: int = 0, sft: str | None = None) -> Path:
     """Build (or take from the cache) a tiny model; copy it to `out` when given. Returns the model dir.
 
-    `sft="arith"` fine-tunes it on noisy arithmetic (rl.models.tiny_sft) so that its sampled accuracy on
+    `sft="arith"` fine-tunes it on noisy arithmetic (rl.tiny_sft) so that its sampled accuracy on
     held-out problems lands between 0.3 and 0.6: the starting point of the CPU demo.
     """
     if arch not in ARCHES:
@@ -192,7 +194,7 @@ def _build_into(target: Path, arch: str, seed: int, sft: str | None) -> None:
     model, tokenizer = build(arch, seed)
     report = None
     if sft == "arith":
-        from rl.models import tiny_sft
+        from rl import tiny_sft
 
         report = tiny_sft.train(model, tokenizer, seed=seed)
     target.parent.mkdir(parents=True, exist_ok=True)
