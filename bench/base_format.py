@@ -8,7 +8,8 @@ Per model (bench.models' Muse-shaped and Qwen3-MoE-shaped models; `--tiny` their
   2. per base format, a trainer process of its own (a fresh CUDA context: clean peak figures): one
      TrainerWorker (world size 1, the recipe's LoRA: rank 32 on attention + experts (+ Muse latent), B = 0
      as training starts), which measures
-       base_gib      resident bytes of the weights the checkpoint holds in NVFP4 (trainer/base_bytes),
+       base_gib      resident bytes of the weights the checkpoint holds in NVFP4
+                     (trainer.sharded_load.frozen_base_bytes),
        peak_gib      peak device memory over the steps (CUDA; null on CPU),
        train_tokens_per_s and mfu_6n: `--steps` train steps on a fixed batch of random sequences with
                      random R3 routing, after `--warmup` steps (compile); MFU = 6 N T / s / the bf16
@@ -81,7 +82,8 @@ def train_samples(n: int, seq_len: int, prompt_len: int, config: dict, seed: int
 
 
 def trainer_spec(model: dict, fmt: str, args):
-    from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
+    from trainer.config import LoraConfig, TrainerConfig
+    from trainer.spec import TrainerSpec
 
     cuda = torch.cuda.is_available()
     max_seq = max(args.train_seq_len, args.max_model_len)
@@ -89,19 +91,22 @@ def trainer_spec(model: dict, fmt: str, args):
         # nvfp4 loads the packed checkpoint; bf16 its exact BF16 dequantization (bench.models' dq/)
         model_path=model["nvfp4"] if fmt == "nvfp4" else model["dq"],
         dtype="bfloat16" if cuda else "float32",
-        lora=LoraSpec(
+        lora=LoraConfig(
             rank=LORA_RANK,
             alpha=2.0 * LORA_RANK,
-            experts=True,
-            latent=model["spec"]["name"] == "muse",
+            target_experts=True,
+            target_latent=model["spec"]["name"] == "muse",
         ),
-        optim=OptimSpec(lr=1e-5, total_steps=1000),
-        micro_batch_tokens=max(args.micro_batch_tokens, max_seq),
+        trainer=TrainerConfig(
+            lr=1e-5,
+            micro_batch_tokens=max(args.micro_batch_tokens, max_seq),
+            activation_checkpointing=True,
+            compile=cuda and not args.no_compile,
+            logits_chunk_tokens=args.logits_chunk_tokens,
+        ),
+        optimizer_steps=1000,
         max_seq_len=max_seq,
         r3=True,
-        activation_checkpointing=True,
-        compile=cuda and not args.no_compile,
-        logits_chunk_tokens=args.logits_chunk_tokens,
         base_format=fmt,
         seed=0,
     )
@@ -181,7 +186,6 @@ def rollout_samples(model: dict, args, stage_root: Path) -> tuple[list, str]:
     """Sampled arithmetic responses with their log-probs and routing, and which weights the engine served."""
     from transformers import AutoTokenizer
 
-    import rl.models.muse  # noqa: F401 - RolloutWorker reads config.json through AutoConfig
     from rl.data.arith import ArithSpec, make_rows
     from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
     from rollout.worker import RolloutWorker

@@ -86,7 +86,7 @@ def start(cfg, rollout: bool = True, trainer: bool = True) -> Setup:
 
 
 def sync_adapter(s: Setup, version: int) -> dict:
-    """The driver's step 6 (rl.driver.Run.sync_weights): the trainer's policy into the rollout engines."""
+    """The driver's step 6 (rl.driver.Run._export_weights, then _load_weights): the trainer's policy into the rollout engines."""
     if s.cfg.sync.mode == "adapter":
         tensors, peft_config = s.trainer.export_adapter_ref(dtype=s.cfg.model.dtype)
         return s.rollout.load_adapter(tensors, peft_config, version)

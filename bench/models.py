@@ -2,10 +2,11 @@
 
 Each is random init, then a short supervised fine-tune on 2-digit arithmetic (rl.data.arith) so that its
 outputs are peaked: a random model has near-tied logits, and then NVFP4-vs-BF16 KL and routing agreement
-measure noise, not the quantization (../shared/gpu/NOTES.md). Three copies are written per model:
+measure noise, not the quantization (docs/benchmarks.md, "Setup"). Three copies are written per model:
 `bf16/` (the SFT result), `nvfp4/` (rl.quantize, weight-only NVFP4) and `dq/` (its exact BF16
-dequantization: what the trainer computes with). The tokenizer is rl.tiny's local BPE (vocab
-~1k), so the LM head is negligible and the figures are those of the decoder layers.
+dequantization: the trainer's base with `trainer.base_format=bf16`; `nvfp4` reads `nvfp4/` packed). The
+tokenizer is rl.tiny's local BPE (vocab ~1k), so the LM head is negligible and the figures are those of the
+decoder layers.
 
 Built once into `<root>/<name>-<hash>/` (the hash covers the spec and BUILD_VERSION); a later call reuses it.
 `python -m bench.models --root DIR [--tiny] [--models muse,qwen3_moe]` builds them on their own.
@@ -151,12 +152,10 @@ def hf_config(spec: ModelSpec, vocab_size: int, eos_id: int, pad_id: int):
 def active_params(config) -> dict[str, int]:
     """Parameters a token goes through: everything but the embedding table, with the routed experts counted
     top_k / num_experts (MFU convention: FLOPs = 2 * active per token forward)."""
-    from transformers import AutoModelForCausalLM
-
-    import rl.models.muse  # noqa: F401 - registers the Muse Auto classes
+    from rl.models import auto_causal_lm
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_causal_lm().from_config(config)
     total = active = 0
     share = config.num_experts_per_tok / config.num_experts
     for name, p in model.named_parameters():

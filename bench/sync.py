@@ -3,7 +3,7 @@
 The driver's step 6 (`sync.mode=adapter`: the LoRA tensors, cast to `model.dtype`, from the trainer's
 object store into each engine; `merged`: the merged weights), `--repeats` times, each a new adapter
 version; the median of each part is the figure:
-  sync_s         export, transfer and load as the driver calls them (rl.driver.Run.sync_weights);
+  sync_s         export, transfer and load as the driver calls them (Run._export_weights, _load_weights);
   load_s         the pool's own load (`perf/sync_s` of the pool: conversion, staging, vLLM's add_lora);
   first_token_s  a one-token generate on a fresh prompt with the new policy;
   baseline_first_token_s  the same generate with no policy change: generation's share, not the sync's.

@@ -118,6 +118,7 @@ def _dequantize(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from rl import __version__
+    from rl.models.registry import TINY_ARCHES
 
     parser = argparse.ArgumentParser(prog="sparkrl", description="LoRA GRPO post-training of MoE models.")
     parser.add_argument("--version", action="version", version=f"sparkrl {__version__}")
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "make-tiny", help="build a small test model (tokenizer trained locally, no hub access)"
     )
-    p.add_argument("--arch", required=True, choices=["dense", "qwen3_moe", "muse"])
+    p.add_argument("--arch", required=True, choices=TINY_ARCHES)
     p.add_argument("--out", required=True, help="directory to write the Hugging Face model to")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -11,13 +11,12 @@ what was expected and, for an unknown key, the nearest valid one. `${...}` inter
 are allowed and resolved on load.
 """
 
-import copy
 import dataclasses
 import difflib
 import os
 import re
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,32 +24,9 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-
-class Registered:
-    """The choices of a field that are the names a registry holds (`module.name`, a dict or a tuple), read
-    when they are checked: one list of names, the code's own, and a config loads without importing the
-    module until it is validated."""
-
-    def __init__(self, module: str, name: str):
-        self.module, self.name = module, name
-
-    def __iter__(self):
-        import importlib
-
-        return iter(tuple(getattr(importlib.import_module(self.module), self.name)))
-
-
-def _f(
-    default: Any, doc: str, choices: "tuple | Registered" = (), *, ge=None, gt=None, le=None, lt=None
-) -> Any:
-    """A field with its doc line, allowed choices and bounds in its metadata (read by validate, the docs)."""
-    meta = {"doc": doc, "choices": choices, "bounds": {"ge": ge, "gt": gt, "le": le, "lt": lt}}
-    if isinstance(default, list | dict):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
-    if isinstance(default, type) and dataclasses.is_dataclass(default):
-        return field(default_factory=default, metadata=meta)
-    return field(default=default, metadata=meta)
-
+from rl.core.options import Registered
+from rl.core.options import option as _f
+from trainer.config import LoraConfig, TrainerConfig
 
 # ----------------------------------------------------------------------------------------------------
 # The schema
@@ -70,7 +46,9 @@ class RunConfig:
 class MakeTinyConfig:
     """Build the policy with `sparkrl make-tiny` (cached) instead of loading `model.path`: the CPU demo."""
 
-    arch: str = _f("", "Tiny architecture to build ('' = off).", ("", "dense", "qwen3_moe", "muse"))
+    arch: str = _f(
+        "", "Tiny architecture to build ('' = off).", Registered("rl.models.registry", "TINY_CHOICES")
+    )
     sft: str = _f(
         "", "Supervised warm-up giving the tiny model a starting policy ('' = none).", ("", "arith")
     )
@@ -155,115 +133,21 @@ class RolloutConfig:
     )
 
 
-@dataclass
-class TrainerConfig:
-    """The FSDP2 trainer workers and the optimizer."""
-
-    total_steps: int = _f(100, "Training steps (one batch of prompts each).", ge=1)
-    num_ranks: int = _f(1, "Trainer processes (one per GPU; gloo processes on CPU).", ge=1)
-    lr: float = _f(1.0e-5, "Peak learning rate of the LoRA parameters.", gt=0)
-    lr_schedule: str = _f("constant", "Schedule after warm-up.", ("constant", "cosine"))
-    warmup_steps: int = _f(0, "Linear warm-up from 0 to `trainer.lr`, in optimizer steps.", ge=0)
-    min_lr_ratio: float = _f(
-        0.0, "Final learning rate of the cosine schedule, as a fraction of `trainer.lr`.", ge=0, le=1
-    )
-    weight_decay: float = _f(0.0, "AdamW weight decay.", ge=0)
-    betas: list[float] = _f([0.9, 0.999], "AdamW betas [beta1, beta2], each in [0, 1).")
-    eps: float = _f(1.0e-8, "AdamW epsilon.", gt=0)
-    grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 = no clipping).", ge=0)
-    ppo_epochs: int = _f(
-        1, "Passes over each batch, the groups dealt into mini-batches in a fresh order each pass.", ge=1
-    )
-    mini_batch_size: int = _f(
-        0,
-        "Prompts per optimizer step, each with all its `rollout.n` samples (a group is never split; 0 = the "
-        "whole batch: one optimizer step per epoch). Every step after the first trains off the old "
-        "log-probs, so the PPO clip engages.",
-        ge=0,
-    )
-    micro_batch_tokens: int = _f(
-        16384,
-        "Token budget of one forward/backward per rank (sequences are packed "
-        "up to it; 0 = use `trainer.micro_batch_size`).",
-        ge=0,
-    )
-    micro_batch_size: int = _f(
-        0, "Sequences per forward/backward per rank, when `micro_batch_tokens` is 0.", ge=0
-    )
-    activation_checkpointing: bool = _f(
-        True,
-        "Recompute each decoder layer's activations in backward (compiled layers with "
-        "`trainer.activation_memory_budget` > 0 use that instead).",
-    )
-    compile: bool = _f(
-        True,
-        "torch.compile each decoder layer on GPU (fuses the element-wise work; the first "
-        "step compiles for a minute or two). Ignored on CPU.",
-    )
-    activation_memory_budget: float = _f(
-        0.0,
-        "Compiled layers only (GPU, `trainer.compile`): instead of whole-layer checkpointing, the "
-        "compiler picks what to recompute, keeping this fraction of the way from each compiled graph's "
-        "inputs (0: about what whole-layer checkpointing keeps) to what it keeps without recomputation "
-        "(1). 0 = off. Uncompiled layers (CPU, `trainer.compile=false`) ignore it and follow "
-        "`trainer.activation_checkpointing`.",
-        ge=0,
-        le=1,
-    )
-    base_format: str = _f(
-        "auto",
-        "How the trainer holds the frozen base weights that an NVFP4 checkpoint (`model.path`) keeps "
-        "packed: nvfp4 = packed (FP4 codes, FP8 block scales), sharded and all-gathered so, dequantized "
-        "one layer at a time; bf16 = the checkpoint's dequantized twin; auto = nvfp4 for an NVFP4 "
-        "checkpoint, else bf16.",
-        ("auto", "bf16", "nvfp4"),
-    )
-    logits_chunk_tokens: int = _f(
-        1024,
-        "Tokens per LM-head call when computing log-probs and entropy (recomputed in backward): the "
-        "[tokens, vocab] fp32 logits never exist whole (0 = one call for the whole micro-batch).",
-        ge=0,
-    )
-    checkpoint_every: int = _f(50, "Save a checkpoint every N steps (0 = only at the end).", ge=0)
-    keep_checkpoints: int = _f(
-        3,
-        "Newest checkpoints that verify kept, the one just written among them; damaged ones are moved to "
-        "`checkpoints/damaged/`, not counted (0 = keep all).",
-        ge=0,
-    )
-    max_skipped_steps: int = _f(
-        3, "Consecutive steps skipped for a non-finite loss or gradient before the run fails.", ge=0
-    )
-
-
-@dataclass
-class LoraConfig:
-    """The LoRA adapter: the only trained parameters."""
-
-    rank: int = _f(32, "LoRA rank r.", ge=1)
-    alpha: float = _f(64.0, "LoRA alpha; the update is scaled by alpha / r.", gt=0)
-    dropout: float = _f(0.0, "Dropout on the LoRA input.", ge=0, lt=1)
-    target_modules: list[str] = _f(
-        ["q_proj", "k_proj", "v_proj", "o_proj"],
-        "Module names (last path component) that get an adapter, each exactly as named, in every layer "
-        "that has it; a name the model lacks is an error.",
-    )
-    target_experts: bool = _f(
-        True, "Adapters on every routed expert's fused projections (gate_up_proj and down_proj)."
-    )
-    target_latent: bool = _f(False, "Adapters on the latent MoE pooler and unpooler (Muse Spark Open).")
-    extra: str = _f(
-        "",
-        "A regular expression: every module whose full name (as in the Hugging Face model, e.g. "
-        "`model.layers.0.mlp.shared_expert.up_proj`) it matches in full also gets an adapter ('' = none). "
-        "It must match at least one module and no router.",
-    )
+AUTO_TIS_CAP = 2.0  # mode auto's TIS cap when the batch lags the update (rollout.max_staleness > 0)
 
 
 @dataclass
 class RolloutCorrectionConfig:
-    """Importance weights pi_trainer / pi_rollout that correct for rollout-trainer mismatch."""
+    """Importance weights pi_trainer / pi_rollout that correct for rollout-trainer mismatch and, with
+    `rollout.max_staleness` > 0, for the lag of the adapter that generated the batch."""
 
+    mode: str = _f(
+        "auto",
+        "auto: the caps below as given; with none of them set and `rollout.max_staleness` > 0, truncated "
+        f"importance sampling with cap {AUTO_TIS_CAP:g} (the asynchronous CPU demo learned nothing without "
+        "it). none: no correction at any staleness (the caps must stay 0).",
+        ("auto", "none"),
+    )
     tis_cap: float = _f(
         0.0,
         "Truncated importance sampling: weight each token by min(ratio, cap) (0 = off; else at least 1).",
@@ -277,6 +161,27 @@ class RolloutCorrectionConfig:
         "Masked importance sampling: drop tokens whose ratio is above this (0 = off; else above 1).",
         ge=0,
     )
+
+
+class RolloutCaps(typing.NamedTuple):
+    """The correction a run applies: the TIS cap and the MIS bounds, each 0 = off."""
+
+    tis_cap: float
+    mis_low: float
+    mis_high: float
+
+
+def rollout_correction_caps(cfg: "SparkConfig") -> RolloutCaps:
+    """The correction that `algorithm.rollout_correction` asks for at `rollout.max_staleness`: the caps as
+    given; under mode auto with none given and staleness > 0, TIS capped at AUTO_TIS_CAP; under mode none,
+    nothing. Synchronous runs (staleness 0) get exactly the caps given."""
+    rc = cfg.algorithm.rollout_correction
+    if rc.mode == "none":
+        return RolloutCaps(0.0, 0.0, 0.0)
+    given = RolloutCaps(float(rc.tis_cap), float(rc.mis_low), float(rc.mis_high))
+    if cfg.rollout.max_staleness > 0 and not any(given):
+        return RolloutCaps(AUTO_TIS_CAP, 0.0, 0.0)
+    return given
 
 
 MAX_DRAWS = 64  # prompt batches one step may draw: the driver gives each (step, draw) its own seed stream
@@ -919,6 +824,15 @@ def validate(cfg: SparkConfig) -> list[tuple[str, str]]:
         rc.mis_high == 0 or rc.mis_high > max(rc.mis_low, 1.0),
         "algorithm.rollout_correction.mis_high",
         f"must be 0 (off) or above 1, got {rc.mis_high}",
+    )
+    caps_set = [
+        f"algorithm.rollout_correction.{k}={getattr(rc, k):g}" for k in RolloutCaps._fields if getattr(rc, k)
+    ]
+    need(
+        rc.mode != "none" or not caps_set,
+        "algorithm.rollout_correction.mode",
+        f"none applies no correction, yet a cap asks for one: {', '.join(caps_set)} (set the caps to 0, "
+        "or mode=auto)",
     )
     has_target = bool(lo.target_modules) or lo.target_experts or lo.target_latent or bool(lo.extra)
     need(

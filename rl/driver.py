@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from rl.core.batch import RoutingLost, Sample
 from rl.data.loader import Prompt, PromptLoader
 from rl.metrics import MetricsLogger
 from rl.monitor import KLMonitor, StopRun
-from rl.rollout_ahead import RolloutAhead
+from rl.rollout_ahead import Generated, RolloutAhead
 from rl.rollout_records import flat_group_fraction, flat_reward_warning, rollout_rows, write_rollouts
 from rl.setup import build_components, prompt_requests, sampling_spec
 
@@ -57,6 +58,39 @@ def eval_stream(step: int) -> int:
 
 def sampling_seed(run_seed: int, stream: int) -> int:
     return (run_seed * _SEED_STRIDE + stream * 7919) % _SEED_PRIME
+
+
+@dataclass
+class StepClock:
+    """perf_counter readings of one step; the step's times (perf/*) are their differences."""
+
+    start: float = field(default_factory=time.perf_counter)
+    rollout_done: float = 0.0  # the batch in hand (the engines asleep, colocated)
+    train_start: float = 0.0  # the update began (= rollout_done where its own forward scored the batch)
+    train_done: float = 0.0
+    end: float = 0.0  # the new policy exported (k = 0: and on the engines)
+
+    def metrics(self, samples: list[Sample], generate_s: float) -> dict:
+        n_resp = sum(len(s.response_ids) for s in samples)
+        n_all = sum(s.num_tokens for s in samples)
+        return {
+            "perf/step_s": self.end - self.start,
+            "perf/rollout_s": self.rollout_done - self.start,
+            "perf/logprob_s": self.train_start - self.rollout_done,
+            "perf/train_s": self.train_done - self.train_start,
+            "perf/rollout_tokens_per_s": n_resp / max(generate_s, 1e-9),
+            "perf/train_tokens_per_s": n_all / max(self.train_done - self.train_start, 1e-9),
+        }
+
+
+@dataclass
+class Update:
+    """Steps 4-5 on a batch: the metrics of the check and the update, the trainer's log-probs of the batch
+    at the version that generated it, and how many trainer calls carried the batch."""
+
+    metrics: dict
+    logp: list[np.ndarray]
+    trainer_calls: int
 
 
 class Run:
@@ -83,18 +117,18 @@ class Run:
         self.step, self.version, self.skipped_in_a_row, self.skipped_total = 0, 0, 0, 0
         self.flat_steps_in_a_row = 0  # steps in a row whose every group had equal rewards
         self.eval_history: list[tuple[int, dict]] = []
-        # rollout.max_staleness > 0: the next batches are generated while the trainer updates
-        self.ahead = (
-            RolloutAhead(cfg.rollout.max_staleness, self.collect_batch, self._load_weights, self.loader)
-            if cfg.rollout.max_staleness
-            else None
+        # Every rollout call goes through one thread; with rollout.max_staleness = k > 0 the next k batches
+        # are generated there while the trainer updates.
+        self.ahead = RolloutAhead(
+            cfg.rollout.max_staleness, self.collect_batch, self._load_weights, self.loader
         )
         if resume_from is not None:
             self._resume(resume_from)
-        elif resume:
-            print(f"resume: {self.dir} recorded no step and has no checkpoint; starting at step 0")
-        elif self.ahead is not None:
-            self.ahead.publish(0, self._export_weights())  # a batch of version 0 generated again needs it
+        else:
+            if resume:
+                print(f"resume: {self.dir} recorded no step and has no checkpoint; starting at step 0")
+            if self.ahead.k:
+                self.ahead.publish(0, self._export_weights())  # a batch of version 0 generated again needs it
         self.log = MetricsLogger(
             self.dir,
             cfg.trainer.total_steps,
@@ -153,64 +187,85 @@ class Run:
         return summary
 
     def train_step(self, step: int) -> dict:
-        if self.ahead is not None:
-            return self._train_step_ahead(step)
-        t0 = time.perf_counter()
-        metrics: dict[str, float] = {}
-
-        # 1-5. Rollout, reward, dynamic sampling; log-probs and update. A batch whose routing was lost with
-        # its rollout worker's node before the trainer ranks fetched it (RoutingLost: no optimizer step has
-        # run) is generated again, once: the pool recreates the worker, and the step's seeds and the loader
-        # rewound to the step's start give the same batch.
-        before = self.loader.state_dict(), self.monitor.state_dict()
+        """One step of docs/design.md. Its batch was generated on the rollout thread by adapter
+        g = max(0, step - 1 - k), k = rollout.max_staleness (k = 0: the version this step starts from); the
+        batches of the next k steps are queued before this one's update, so they are generated during it."""
+        ahead, clock = self.ahead, StepClock()
+        # 1-3. Generate, score, dynamic sampling (queued on the rollout thread; taken here once done).
+        ahead.fill(min(self.cfg.trainer.total_steps, step + ahead.k), self.version)
+        monitor_before = self.monitor.state_dict()
+        batch, generated = ahead.take(step)
+        # 4-5. Log-probs (the on-policy check) and the update. A batch whose routing was lost with its rollout
+        # worker's node before the trainer ranks fetched it (RoutingLost: no optimizer step has run) is
+        # generated again, once, at its version and from its loader state: the same batch.
         for attempt in (1, 2):
-            samples, gen_s, received_bytes = self.collect_batch(step, metrics)
             if self.colocated:  # hand the GPUs to the trainer: weights to host memory, KV cache dropped
                 self.rollout.sleep()
-            t_rollout = time.perf_counter()
+            clock.rollout_done = time.perf_counter()
             try:
-                train_metrics, logp, trainer_calls, t_train = self._score_and_update(
-                    step, samples, metrics, t_rollout
-                )
+                update = self._score_and_update(step, generated.samples, batch.version, clock)
                 break
             except RoutingLost as e:
                 if attempt == 2:
                     raise
                 self.log.event(f"[yellow]step {step}: {e}; generating the batch again")
-                self.loader.load_state_dict(before[0])
-                self.monitor.load_state_dict(before[1])
+                self.monitor.load_state_dict(monitor_before)
                 if self.colocated:
                     self.rollout.wake_up()
-        self._record_update(step, metrics, train_metrics, samples, logp, trainer_calls, received_bytes)
-        t_sync = time.perf_counter()
-
-        # 6. Send the new policy to the rollout workers.
+                batch, generated = ahead.again(batch)
+        clock.train_done = time.perf_counter()
+        overlap = ahead.overlap_s(clock.rollout_done, clock.train_done)
+        # 6. The new policy for the batches that need it; at k = 0 onto the engines now.
         if self.colocated:
             self.rollout.wake_up()
+        lag = self.version - batch.version
         self.version += 1
-        sync = self.sync_weights()
-        # perf/sync_s is the whole hand-over (wake, export, transfer, load); the engines' own load time
-        # is kept beside it.
-        sync["perf/sync_load_s"] = sync.pop("perf/sync_s", float("nan"))
-        metrics.update(sync)
-        t_end = time.perf_counter()
-        metrics.update(self._step_times(metrics, samples, gen_s, t0, t_rollout, t_train, t_sync, t_end))
-        metrics["perf/sync_s"] = t_end - t_sync
-        return metrics
+        ahead.publish(self.version, self._export_weights())
+        loaded = ahead.load(self.version) if ahead.k == 0 else {}
+        clock.end = time.perf_counter()
+        return self._step_metrics(step, generated, update, loaded, clock, lag, overlap)
 
-    def _record_update(self, step, metrics, train_metrics, samples, logp, trainer_calls, received_bytes):
-        """The update's metrics and skip count into `metrics`, with the batch's bytes through this process:
-        the samples in from the rollout (every draw), out to the trainer ranks (once a call), the log-probs
-        back. R3's routing is not among them (it goes from rollout worker to trainer rank by reference:
-        Sample.routing_ref)."""
-        self._count_skips(step, train_metrics)
-        metrics.update(train_metrics)
-        sent = trainer_calls * sum(s.payload_bytes() for s in samples)
-        metrics["perf/driver_bytes"] = received_bytes + sent + sum(x.nbytes for x in logp)
+    def _step_metrics(
+        self,
+        step: int,
+        generated: Generated,
+        update: Update,
+        loaded: dict,
+        clock: StepClock,
+        lag: int,
+        overlap,
+    ) -> dict:
+        """The step's record: the batch's metrics, the update's, the hand-over's and the step's times; and
+        what follows from them (skip count, flat-reward warning, rollout records)."""
+        samples, metrics = generated.samples, {**generated.metrics, **update.metrics}
+        metrics["train/skipped_steps"] = self._count_skips(step, update.metrics)
+        # The batch's bytes through this process: the samples in from the rollout (every draw), out to the
+        # trainer ranks (once a call), the log-probs back. R3's routing is not among them (it goes from
+        # rollout worker to trainer rank by reference: Sample.routing_ref).
+        sent = update.trainer_calls * sum(s.payload_bytes() for s in samples)
+        metrics["perf/driver_bytes"] = generated.received_bytes + sent + sum(x.nbytes for x in update.logp)
         self._check_flat_rewards(step, metrics)
         every = self.cfg.logging.rollouts_every
         if every and step % every == 0:
-            self._record_rollouts(step, samples, logp)
+            self._record_rollouts(step, samples, update.logp)
+        # perf/sync_load_s is the engines' load of a version: at k = 0 this step's, else the batch's (on the
+        # rollout thread, before it generated). perf/sync_s is the whole hand-over (wake, export, load) at
+        # k = 0; perf/export_s the export alone at k > 0, where the load overlaps the next update.
+        if self.ahead.k == 0:
+            metrics.update(loaded)
+            metrics["perf/sync_load_s"] = metrics.pop("perf/sync_s", float("nan"))
+            metrics["perf/sync_s"] = clock.end - clock.train_done
+        else:
+            if "perf/sync_s" in metrics:  # the batch's version was loaded first, on the rollout thread
+                metrics["perf/sync_load_s"] = metrics.pop("perf/sync_s")
+            metrics["rollout/staleness"] = float(lag)
+            metrics["perf/generate_s"] = generated.generate_s
+            metrics["perf/rollout_overlap_s"] = overlap
+            metrics["perf/export_s"] = clock.end - clock.train_done
+        metrics.update(clock.metrics(samples, generated.generate_s))
+        metrics["adapter/version"] = self.version
+        metrics["actor/lr"] = metrics.get("actor/lr", float("nan"))
+        return metrics
 
     def _record_rollouts(self, step: int, samples: list[Sample], logp: list[np.ndarray]) -> None:
         """The trained samples, as text with their rewards and k3, to rollouts/step_<N>.jsonl and the
@@ -238,110 +293,55 @@ class Run:
         if warning:
             self.log.event(warning)
 
-    def _step_times(self, metrics, samples, gen_s, t0, t_rollout, t_train, t_sync, t_end) -> dict:
-        """A step's perf/* split and token rates, the adapter version it ends at and its learning rate."""
-        n_resp = sum(len(s.response_ids) for s in samples)
-        n_all = sum(s.num_tokens for s in samples)
-        return {
-            "perf/step_s": t_end - t0,
-            "perf/rollout_s": t_rollout - t0,
-            "perf/logprob_s": t_train - t_rollout,
-            "perf/train_s": t_sync - t_train,
-            "perf/rollout_tokens_per_s": n_resp / max(gen_s, 1e-9),
-            "perf/train_tokens_per_s": n_all / max(t_sync - t_train, 1e-9),
-            "adapter/version": self.version,
-            "actor/lr": metrics.get("actor/lr", float("nan")),
-        }
-
-    def _train_step_ahead(self, step: int) -> dict:
-        """A step of the asynchronous loop (rollout.max_staleness = k): the batch was generated by adapter
-        g = max(0, step - 1 - k) while earlier updates ran; the batches of the next k steps are queued
-        before this one's update, and the new version is exported for them."""
-        ahead = self.ahead
-        t0 = time.perf_counter()
-        metrics: dict[str, float] = {}
-        ahead.fill(min(self.cfg.trainer.total_steps, step + ahead.k), self.version)
-        monitor_before = self.monitor.state_dict()
-        batch, (samples, gen_s, received_bytes, batch_metrics_) = ahead.take(step)
-        for attempt in (1, 2):
-            t_rollout = time.perf_counter()
-            try:
-                train_metrics, logp, trainer_calls, t_train = self._score_and_update_stale(
-                    step, samples, batch.version, metrics, t_rollout
-                )
-                break
-            except RoutingLost as e:  # as in train_step: generated again at its version, from its prompts
-                if attempt == 2:
-                    raise
-                self.log.event(f"[yellow]step {step}: {e}; generating the batch again")
-                self.monitor.load_state_dict(monitor_before)
-                batch, (samples, gen_s, received_bytes, batch_metrics_) = ahead.again(batch)
-        metrics.update(batch_metrics_)  # the batch's own (and the load of its version, if it had one)
-        self._record_update(step, metrics, train_metrics, samples, logp, trainer_calls, received_bytes)
-        t_sync = time.perf_counter()
-        overlap = ahead.overlap_s(t_rollout, t_sync)
-        metrics["rollout/staleness"] = float(self.version - batch.version)
-        self.version += 1
-        ahead.publish(self.version, self._export_weights())  # loaded by the first batch that needs it
-        t_end = time.perf_counter()
-        # perf/rollout_s is the wait for the batch here; its generation is perf/generate_s
-        metrics.update(self._step_times(metrics, samples, gen_s, t0, t_rollout, t_train, t_sync, t_end))
-        metrics.update(
-            {"perf/generate_s": gen_s, "perf/rollout_overlap_s": overlap, "perf/export_s": t_end - t_sync}
-        )
-        if "perf/sync_s" in metrics:  # the engines' load of this batch's version, on the rollout thread
-            metrics["perf/sync_load_s"] = metrics.pop("perf/sync_s")
-        return metrics
-
-    def _score_and_update_stale(
-        self, step: int, samples: list[Sample], generated_by: int, metrics: dict, t_rollout: float
-    ):
-        """Steps 4-5 on a batch generated by adapter `generated_by`, the trainer at `self.version`. The
-        on-policy check scores it at the generating version (the trainer keeps the last k: so the check
-        still isolates the engines' mismatch); the update's old log-probs are the current version's
-        (the decoupled formulation, as verl's: PPO's ratio against the proximal policy, the current
-        adapter; TIS/MIS weights against the rollout's log-probs, lag included), and the lag itself is
-        `rollout/policy_lag_k3_kl`. -> as _score_and_update."""
-        if generated_by == self.version:
-            metrics["rollout/policy_lag_k3_kl"] = 0.0
-            return self._score_and_update(step, samples, metrics, t_rollout)
-        advantages = self._advantages(samples)
-        at_generation, logp_metrics = self.trainer.log_probs(samples, version=generated_by)
-        metrics.update(logp_metrics)
-        self._check_kl(step, metrics, at_generation, samples)
-        current, _ = self.trainer.log_probs(samples)
-        metrics["rollout/policy_lag_k3_kl"] = policy_lag_k3(current, at_generation, samples)
-        t_train = time.perf_counter()
-        return self.trainer.train_step(samples, advantages, current), at_generation, 3, t_train
-
     def _advantages(self, samples: list[Sample]) -> list[float]:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group for s in samples])
         return algo.compute_advantages(rewards, groups, estimator=self.adv_estimator).tolist()
 
-    def _score_and_update(self, step: int, samples: list[Sample], metrics: dict, t_rollout: float):
-        """Steps 4-5 on the batch: the trainer's log-probs at adapter v (the on-policy check) and the GRPO
-        update. -> (update metrics, log-probs, trainer calls, when the update began: t_rollout when the
-        update's own forward gave the log-probs)."""
+    def _score_and_update(
+        self, step: int, samples: list[Sample], generated_by: int, clock: StepClock
+    ) -> Update:
+        """Steps 4-5 on a batch generated by adapter `generated_by`, the trainer at `self.version`.
+
+        On-policy (generated_by is the current version): the trainer's log-probs at adapter v are the
+        on-policy check, then the GRPO update; a single on-policy update scores the batch in its own
+        forward, before its optimizer step, without a pass of its own (a run that stops on a KL violation
+        keeps the separate pass, so that it stops before the update).
+
+        A batch that waited (k > 0): the check scores it at the generating version (the trainer keeps the
+        last k, so the check still isolates the engines' mismatch); the update's old log-probs are the
+        current version's (the decoupled formulation, as verl's: PPO's ratio against the proximal policy,
+        the current adapter; TIS/MIS weights against the rollout's log-probs, lag included), and the lag
+        itself is `rollout/policy_lag_k3_kl`."""
         advantages = self._advantages(samples)
-        # A single on-policy update scores the batch in its own forward, before its optimizer step: the
-        # log-probs of adapter v that step 4 would compute, without a pass of their own. A run that stops on
-        # a KL violation keeps the separate pass, so that it stops before the update.
+        metrics: dict[str, float] = {}
+        if generated_by != self.version:
+            at_generation, logp_metrics = self.trainer.log_probs(samples, version=generated_by)
+            metrics.update(logp_metrics)
+            metrics.update(self._check_kl(step, at_generation, samples))
+            current, _ = self.trainer.log_probs(samples)
+            metrics["rollout/policy_lag_k3_kl"] = policy_lag_k3(current, at_generation, samples)
+            clock.train_start = time.perf_counter()
+            metrics.update(self.trainer.train_step(samples, advantages, current))
+            return Update(metrics, at_generation, trainer_calls=3)
+        if self.ahead.k:
+            metrics["rollout/policy_lag_k3_kl"] = 0.0
         if not self.cfg.monitor.stop_on_violation and self.trainer.can_score_in_update(samples):
+            clock.train_start = clock.rollout_done
             train_metrics, logp = self.trainer.train_step(samples, advantages, return_logprobs=True)
-            self._check_kl(step, metrics, logp, samples)
-            return train_metrics, logp, 1, t_rollout
-        # 4. Trainer log-probs with adapter v and the rollout's routing: the on-policy check.
+            metrics.update(self._check_kl(step, logp, samples))
+            metrics.update(train_metrics)
+            return Update(metrics, logp, trainer_calls=1)
         logp, logp_metrics = self.trainer.log_probs(samples)
         metrics.update(logp_metrics)
-        self._check_kl(step, metrics, logp, samples)
-        # 5. GRPO update.
-        t_train = time.perf_counter()
-        return self.trainer.train_step(samples, advantages, logp), logp, 2, t_train
+        metrics.update(self._check_kl(step, logp, samples))
+        clock.train_start = time.perf_counter()
+        metrics.update(self.trainer.train_step(samples, advantages, logp))
+        return Update(metrics, logp, trainer_calls=2)
 
-    def _check_kl(self, step: int, metrics: dict, logp: list[np.ndarray], samples: list[Sample]) -> None:
-        """The on-policy check: trainer vs rollout log-probs into metrics, against the KL budget."""
-        metrics.update(mismatch_metrics(logp, samples))
+    def _check_kl(self, step: int, logp: list[np.ndarray], samples: list[Sample]) -> dict:
+        """The on-policy check: `rollout_corr/*` of trainer vs rollout log-probs, against the KL budget."""
+        metrics = mismatch_metrics(logp, samples)
         warning = self.monitor.check(metrics["rollout_corr/k3_kl"])
         if warning:
             self.log.event(f"[red]step {step}: KL budget broken: {warning}")
@@ -349,10 +349,11 @@ class Run:
                 self.checkpoint()
                 raise StopRun(f"step {step}: {warning} (monitor.stop_on_violation is set)")
         metrics["monitor/kl_violations"] = self.monitor.violations
+        return metrics
 
-    def collect_batch(self, step: int, metrics: dict) -> tuple[list[Sample], float, int]:
-        """Steps 1-3: generate, score, and (with dynamic sampling) keep only groups that carry signal.
-        -> (kept samples, generation seconds, payload bytes received from the rollout workers)."""
+    def collect_batch(self, step: int) -> Generated:
+        """Steps 1-3 on the engines as they are: generate, score, and (with dynamic sampling) keep only the
+        groups that carry signal."""
         cfg = self.cfg
         want = cfg.data.train_batch_size
         draws = cfg.algorithm.dynamic_sampling.max_draws if cfg.algorithm.dynamic_sampling.enabled else 1
@@ -381,12 +382,9 @@ class Run:
         if not kept:
             # Every group had equal rewards: nothing to learn from; train on the plain batch (zero advantages).
             kept = all_samples[: want * cfg.rollout.n]
-        metrics.update(batch_metrics(all_samples, kept, cfg.rollout.max_response_len))
+        metrics = batch_metrics(all_samples, kept, cfg.rollout.max_response_len)
         metrics["reward/errors"] = reward_errors
-        return kept, gen_s, received
-
-    def sync_weights(self) -> dict:
-        return self._load_weights(self._export_weights(), self.version)
+        return Generated(kept, gen_s, received, metrics)
 
     def _export_weights(self, version: int | None = None) -> tuple:
         """The policy as the rollout loads it, left in the trainer's object store: ("adapter", tensors,
@@ -405,11 +403,9 @@ class Run:
         return self.rollout.load_merged_weights(*payload, version)
 
     def evaluate(self, step: int) -> dict:
-        """Step 7: k samples per eval problem on the rollout workers; mean@k, maj@k, best@k per source. With
-        the rollout ahead, on its thread with the engines at the finished version (after queued batches)."""
-        if self.ahead is not None:
-            return self.ahead.at_version(self.version, lambda: self._evaluate(step))
-        return self._evaluate(step)
+        """Step 7: k samples per eval problem on the rollout workers; mean@k, maj@k, best@k per source. On the
+        rollout thread with the engines at the finished version (after the batches queued before it)."""
+        return self.ahead.at_version(self.version, lambda: self._evaluate(step))
 
     def _evaluate(self, step: int) -> dict:
         from rl.evaluation import eval_metrics, records_from_samples, records_path, write_records
@@ -450,7 +446,9 @@ class Run:
                 s.reward += p
         return responses if return_responses else float(results.errors)
 
-    def _count_skips(self, step: int, train_metrics: dict) -> None:
+    def _count_skips(self, step: int, train_metrics: dict) -> int:
+        """Counts a skipped update (non-finite loss or gradient); stops the run after
+        trainer.max_skipped_steps in a row. -> the run's skipped updates so far (train/skipped_steps)."""
         if train_metrics.get("actor/skipped_step", 0):
             self.skipped_in_a_row += 1
             self.skipped_total += 1
@@ -467,7 +465,7 @@ class Run:
                 )
         else:
             self.skipped_in_a_row = 0
-        train_metrics["train/skipped_steps"] = self.skipped_total
+        return self.skipped_total
 
     def _lost_message(self, lost) -> str:
         """What to do once a trainer rank is gone: the step, the rank and node, the checkpoint to resume."""
@@ -510,7 +508,7 @@ class Run:
             "step": self.step,
             "adapter_version": self.version,
             # with batches in flight, the state before the oldest: a resumed run generates them again
-            "loader": self.ahead.loader_state() if self.ahead is not None else self.loader.state_dict(),
+            "loader": self.ahead.loader_state(),
             "monitor": self.monitor.state_dict(),
             "skipped_total": self.skipped_total,
             "flat_steps_in_a_row": self.flat_steps_in_a_row,
@@ -530,16 +528,15 @@ class Run:
         self.flat_steps_in_a_row = state.get("flat_steps_in_a_row", 0)
         self.eval_history = [tuple(x) for x in state.get("eval_history", [])]
         print(f"resume: from {ckpt} (step {self.step}, adapter version {self.version})")
-        if self.ahead is not None:
-            self._resume_ahead()
-        elif self.version > 0:
-            self.sync_weights()
-
-    def _resume_ahead(self) -> None:
-        """The batches in flight at the checkpoint are generated again, by the versions that generated them
-        (the trainer checkpoint keeps them), from the loader state before the first: the same batches."""
         ahead, k = self.ahead, self.ahead.k
         ahead.next_step = self.step + 1
+        if k == 0:
+            if self.version > 0:  # the fresh engines hold the base model: put the checkpoint's policy on them
+                ahead.publish(self.version, self._export_weights())
+                ahead.load(self.version)
+            return
+        # The batches in flight at the checkpoint are generated again, by the versions that generated them
+        # (the trainer checkpoint keeps them), from the loader state before the first: the same batches.
         for v in range(max(0, self.step - k), self.version + 1):
             ahead.publish(v, self._export_weights(None if v == self.version else v))
         steps = range(self.step + 1, min(self.cfg.trainer.total_steps, self.step + k) + 1)
@@ -600,8 +597,7 @@ class Run:
         return out
 
     def close(self) -> None:
-        if self.ahead is not None:
-            self.ahead.close()
+        self.ahead.close()
         for part in (self.rollout, self.trainer, self.reward):
             try:
                 part.shutdown() if hasattr(part, "shutdown") else part.close()
@@ -686,14 +682,22 @@ def compile_notice(cfg) -> str | None:
 
 
 def staleness_notice(cfg) -> str | None:
-    """rollout.max_staleness > 0 with no importance weight for the lag: the update weighs the older adapter's
-    tokens as its own. Said before the run, as it can stall learning at a large step size (the CPU demo's,
-    docs/benchmarks.md)."""
-    rc = cfg.algorithm.rollout_correction
-    if cfg.rollout.max_staleness and not (rc.tis_cap or rc.mis_low or rc.mis_high):
+    """rollout.max_staleness > 0 with no cap named: the correction the run applies to the lag and why, said
+    before the run; a warning when algorithm.rollout_correction.mode=none leaves the lag unweighed (the update
+    then weighs the older adapter's tokens as its own, which stalled the CPU demo, docs/benchmarks.md)."""
+    from rl.config import rollout_correction_caps
+
+    k, rc = cfg.rollout.max_staleness, cfg.algorithm.rollout_correction
+    if not k or rc.tis_cap or rc.mis_low or rc.mis_high:
+        return None
+    if rc.mode == "none":
         return (
-            f"[yellow]rollout.max_staleness={cfg.rollout.max_staleness} with no algorithm.rollout_correction: "
-            "the update weighs tokens an older adapter sampled as its own; a cap such as "
-            "algorithm.rollout_correction.tis_cap=2 weighs them by current / rollout probability"
+            f"[yellow]rollout.max_staleness={k} with algorithm.rollout_correction.mode=none: the update weighs "
+            "tokens an older adapter sampled as its own (the CPU demo learned nothing so); mode=auto weighs "
+            "them by current / rollout probability, capped"
         )
-    return None
+    return (
+        f"rollout.max_staleness={k}: algorithm.rollout_correction.mode=auto applies "
+        f"tis_cap={rollout_correction_caps(cfg).tis_cap:g}, weighing tokens an older adapter sampled by "
+        "current / rollout probability (mode=none turns it off)"
+    )

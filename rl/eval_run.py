@@ -56,6 +56,7 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
     from rl.evaluation import eval_metrics, records_from_samples, write_records
     from rl.reward import RewardPool
     from rl.setup import (
+        engine_spec,
         init_ray,
         load_prompts_for,
         prompt_requests,
@@ -64,7 +65,6 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
         waiting_for_resources,
     )
     from rollout.pool import RolloutPool
-    from rollout.spec import engine_spec_from_config
 
     if not cfg.eval.data:
         raise ValueError("eval.data: empty; name an eval prompt source (e.g. BytedTsinghua-SIA/AIME-2024)")
@@ -75,7 +75,7 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
     owns_ray = init_ray(cfg, run_dir(cfg) / "logs")
     with waiting_for_resources(cfg, "the rollout engines"):
         pool = RolloutPool(
-            engine_spec_from_config(cfg, rollout_path),
+            engine_spec(cfg, rollout_path),
             cfg.rollout.num_workers,
             stage=f"{cfg.run.name}-eval",
         )

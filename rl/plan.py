@@ -6,7 +6,8 @@ anything is submitted; whether it fits, and what to change when it does not.
     print(format_plan(p))
 
 Model facts come from a local `config.json` (model.path, else model.rollout_path, else the Hugging Face
-cache), from `make-tiny`'s own config, or from the built-in table (Muse Spark Open, Qwen3-30B-A3B).
+cache), from `make-tiny`'s own config, or from the built-in facts of the model families
+(rl/models/<family>/, `planner`: Muse Spark Open, Qwen3-30B-A3B).
 
 The model (figures per GPU; GiB = 2**30 bytes):
 - Rollout (one vLLM engine over rollout.tensor_parallel_size GPUs): weights in their stored format
@@ -37,6 +38,7 @@ The model (figures per GPU; GiB = 2**30 bytes):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 from dataclasses import dataclass, field
@@ -44,6 +46,7 @@ from pathlib import Path
 
 from rl.core import model_info
 from rl.core.model_info import quantization_kind
+from rl.models import registry
 
 GiB = 2**30
 NVFP4_BYTES = 0.5 + 1 / 16  # FP4 values plus one FP8 scale per 16 (the per-tensor global scale is negligible)
@@ -151,68 +154,12 @@ class ModelShape:
 # ----------------------------------------------------------------------------------------------------
 
 
-def muse_spark_open() -> ModelShape:
-    """Muse Spark Open from the design doc. Its weight totals are given; head counts, routing top-k, vocab
-    and the longest context are not: the values below are assumptions that agree with the totals, the same
-    as the defaults of rl/models/muse/configuration_muse.py (a test keeps the two in step)."""
-    hidden, layers, attention = 8192, 62, 13.5e9
-    heads, kv_heads, head_dim, vocab = 96, 8, 128, 201_088
-    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o + k, v
-    return ModelShape(
-        name="Muse Spark Open",
-        num_layers=layers,
-        hidden=hidden,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        vocab=vocab,
-        num_experts=256,
-        top_k=8,
-        expert_inter=4096,
-        latent=4096,
-        head_gate=heads,
-        window=2048,
-        window_layers=46,
-        max_context=LONG_CONTEXT,
-        params={"experts": 799e9, "attention": attention, "latent": 4.2e9, "embeddings": 3.3e9},
-        source="built-in facts from the design doc; the vision tower and audio encoder are not trained and "
-        "left out",
-        assumptions=[
-            f"{heads} query heads, {kv_heads} KV heads, head_dim {head_dim}: q/k/v/o come to "
-            f"{layers * per_layer / 1e9:.2f}B, matching attention {attention / 1e9}B",
-            "expert intermediate width 4096 (799B / (62 layers x 256 experts x 3 x 4096 x 4096) = 1.00)",
-            "top-8 routing",
-            f"vocab {vocab:,} (3.3B embedding + output parameters ~ 2 x 8192 x vocab)",
-            f"longest context {LONG_CONTEXT:,} tokens",
-        ],
-    )
-
-
-# Qwen/Qwen3-30B-A3B's config.json (the fields the planner reads), for planning without a download.
-QWEN3_30B_A3B = {
-    "model_type": "qwen3_moe",
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "vocab_size": 151936,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 40960,
-    "use_sliding_window": False,
-    "sliding_window": None,
-}
-
-
 def shape_from_hf(config: dict, name: str, source: str) -> ModelShape:
-    """A ModelShape from a Hugging Face config.json (Qwen3-MoE, Mixtral, DeepSeek-style and dense models)."""
+    """A ModelShape from a Hugging Face config.json (Qwen3-MoE, Mixtral, DeepSeek-style and dense models);
+    a family's own keys (Muse's latent width and head gate) as its `planner.config_fields` reads them."""
     c = config.get("text_config") or config
+    family = registry.family_of(config)
+    own = family.planner.config_fields if family else None
     try:
         layers, hidden, heads = c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"]
         vocab = c["vocab_size"]
@@ -254,15 +201,12 @@ def shape_from_hf(config: dict, name: str, source: str) -> ModelShape:
         shared_expert_inter=shared,
         window=window,
         window_layers=window_layers,
-        latent=c.get("moe_latent_size") or 0,  # Muse: experts work at the pooled width
-        head_gate={"headwise": heads, "elementwise": heads * (c.get("head_dim") or hidden // heads)}.get(
-            c.get("head_gate"), 0
-        ),
         max_context=c.get("max_position_embeddings") or 0,
         # transformers' default when the key is absent
         tie_embeddings=bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", True))),
         quantization=quantization_kind(config.get("quantization_config") or c.get("quantization_config")),
         source=source,
+        **(own(c) if own else {}),
     )
 
 
@@ -282,14 +226,14 @@ def _local_config(path: str) -> Path | None:
     return Path(hit) if isinstance(hit, str) else None
 
 
-def _builtin(path: str) -> ModelShape | None:
+def builtin_shape(path: str) -> ModelShape | None:
+    """The built-in facts of the model `path` names (its family's `planner.builtin`), or None."""
     low = path.lower()
-    if "muse" in low:
-        return muse_spark_open()
-    if "qwen3-30b-a3b" in low:
-        return shape_from_hf(
-            QWEN3_30B_A3B, "Qwen3-30B-A3B", "built-in copy of Qwen/Qwen3-30B-A3B's config.json"
-        )
+    for model in registry.builtin_models():
+        if model.match in low:
+            if model.config is not None:
+                return shape_from_hf(dict(model.config), model.name, model.source)
+            return ModelShape(name=model.name, source=model.source, **copy.deepcopy(dict(model.shape)))
     return None
 
 
@@ -307,12 +251,13 @@ def model_shape(cfg) -> ModelShape:
         config = json.loads(found.read_text())
         return shape_from_hf(config, Path(path).name or path, str(found))
     for path in (m.path, m.rollout_path):
-        shape = _builtin(path) if path else None
+        shape = builtin_shape(path) if path else None
         if shape is not None:
             return shape
+    known = ", ".join(b.name for b in registry.builtin_models())
     raise ValueError(
         f"plan: cannot tell the shape of model.path {m.path!r}: no config.json there or in the "
-        "Hugging Face cache, and not a built-in model (Muse Spark Open, Qwen3-30B-A3B). Point "
+        f"Hugging Face cache, and not a built-in model ({known}). Point "
         "model.path at a directory with config.json, or fetch only that file, e.g. "
         f"`huggingface-cli download {m.path} config.json`"
     )

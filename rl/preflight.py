@@ -23,11 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from rl.config import SparkConfig
+from rl.core.model_info import is_moe
+from rl.models import registry
 
-# config.json keys whose presence (non-zero) marks a mixture-of-experts model, with or without text_config.
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-# `make_tiny` architectures that are MoE (the rest are dense).
-_TINY_MOE = {"dense": False, "qwen3_moe": True, "muse": True}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -137,27 +135,37 @@ def _hub_model_config(key: str, repo_id: str, problems: list[str], hub: Hub) -> 
     return config
 
 
-def is_moe(config: dict) -> bool:
-    """Whether a Hugging Face config.json describes a mixture-of-experts model."""
-    for c in (config, config.get("text_config") or {}):
-        if any(c.get(k) for k in _EXPERT_KEYS):
-            return True
-    return False
-
-
-def check_model(cfg: SparkConfig, problems: list[str], hub: Hub | None = None) -> None:
-    """model.path / model.rollout_path exist; LoRA expert targets and R3 fit the architecture."""
+def check_model(cfg: SparkConfig, problems: list[str], hub: Hub | None = None, train: bool = True) -> None:
+    """model.path / model.rollout_path exist; LoRA expert targets and R3 fit the architecture; to `train`,
+    R3 knows the routers of a mixture-of-experts model (its family in rl/models/ has a router adapter)."""
     tiny = cfg.model.make_tiny
     hub = hub or Hub()
     if tiny.arch:
-        moe, what = _TINY_MOE.get(tiny.arch), f"model.make_tiny.arch={tiny.arch}"
+        family = registry.tiny_family(tiny.arch)
+        moe = None if family is None else family.tiny_is_moe
+        model_type = "" if family is None else family.model_types[0]
+        what = f"model.make_tiny.arch={tiny.arch}"
     else:
         config = model_config("model.path", cfg.model.path, problems, hub)
         if cfg.model.rollout_path:
             model_config("model.rollout_path", cfg.model.rollout_path, problems, hub)
         moe = None if config is None else is_moe(config)
+        family = None if config is None else registry.family_of(config)
+        model_type = registry.config_model_type(config or {})
         arch = ", ".join((config or {}).get("architectures") or []) or "the model"
         what = f"{cfg.model.path} ({arch})"
+    if train and moe and cfg.r3.enabled and not (family and family.routers):
+        if family is None:
+            where = "no family in rl/models/ claims it"
+            fix = f"add rl/models/{model_type or '<family>'}/ with its router adapter"
+        else:
+            where = f"its family, rl/models/{family.name}/, has no router adapter"
+            fix = f"add its router adapter to rl/models/{family.name}/"
+        problems.append(
+            f"r3.enabled: {what} is a mixture-of-experts model of model_type {model_type!r}, and {where}, so "
+            f"its routing cannot be replayed; set r3.enabled=false to train without routing replay, or {fix} "
+            "(docs/design.md, Models)"
+        )
     if moe is False:
         if cfg.lora.target_experts:
             problems.append(
@@ -373,7 +381,7 @@ def preflight(
     `train`: check the training data; `evaluate`: check `eval.data` (default: when eval.every > 0)."""
     problems: list[str] = []
     hub = Hub()  # asked at most once, and only for a hub id the local caches lack
-    check_model(cfg, problems, hub)
+    check_model(cfg, problems, hub, train)
     check_adapter("--adapter", adapter, problems)
     if train:
         check_data("data.train", cfg.data.train, problems, hub)

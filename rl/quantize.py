@@ -2,8 +2,9 @@
 
 The format and the math are trainer/nvfp4.py's (compressed-tensors "nvfp4-pack-quantized", group 16, the
 model-free shard-by-shard pathway): every 2D Linear weight is quantized; the routers (`mlp.gate`), norms,
-embeddings and lm_head stay in their original precision. Per architecture, a few more Linear layers stay
-unquantized (`EXTRA_IGNORE`), named in the checkpoint's `ignore` list so vLLM builds them unquantized too.
+embeddings and lm_head stay in their original precision. Per model family, a few more Linear layers stay
+unquantized (its `quantize_ignore`, rl/models/<family>/), named in the checkpoint's `ignore` list so vLLM
+builds them unquantized too.
 """
 
 from __future__ import annotations
@@ -15,18 +16,14 @@ from pathlib import Path
 
 SCHEMES = ("nvfp4",)
 
-# model_type -> compressed-tensors ignore patterns added to the default ones.
-# Muse's attention head gate (`g_proj`) has one output a head (96, or 4 in the tiny model): too few rows
-# for the FP4 GEMM tiles (Marlin works in multiples of 64), and at 0.8M weights a layer nothing to save.
-EXTRA_IGNORE: dict[str, list[str]] = {"muse_spark": ["re:.*self_attn.g_proj$"]}
-
 
 def quantizer_for(src: str | os.PathLike):
-    """The NVFP4 converter of checkpoint `src`: the default ignore list plus its architecture's."""
+    """The NVFP4 converter of checkpoint `src`: the default ignore list plus its family's."""
+    from rl.models import registry
     from trainer.nvfp4 import _NVFP4Quantizer
 
-    model_type = json.loads((Path(src) / "config.json").read_text()).get("model_type")
-    return _NVFP4Quantizer(src, EXTRA_IGNORE.get(model_type or "", []))
+    family = registry.family(json.loads((Path(src) / "config.json").read_text()).get("model_type") or "")
+    return _NVFP4Quantizer(src, list(family.quantize_ignore) if family else [])
 
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, scheme: str = "nvfp4") -> Path:

@@ -6,6 +6,7 @@ The only place that turns the config tree into the small specs the workers take
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -201,12 +202,16 @@ def base_format(setting: str, model_path: str) -> str:
 
 
 def trainer_spec(cfg: SparkConfig, model_path: str):
+    """The trainer workers' spec: the `trainer:` and `lora:` sections as they are, the loss's knobs resolved
+    from `algorithm:` once, and what this run resolved (the weights, the base format, the sequence bound,
+    the schedule's optimizer steps)."""
+    from rl.config import rollout_correction_caps
     from rl.core.algo import AlgoConfig
     from trainer.minibatch import steps_per_batch
-    from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
+    from trainer.spec import TrainerSpec
 
-    a, t, lo = cfg.algorithm, cfg.trainer, cfg.lora
-    rc = a.rollout_correction
+    a, t = cfg.algorithm, cfg.trainer
+    rc = rollout_correction_caps(cfg)  # algorithm.rollout_correction at rollout.max_staleness
     algo_cfg = AlgoConfig(
         adv_estimator=a.adv_estimator,
         loss_mode=a.policy_loss,
@@ -217,52 +222,60 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
         loss_scale_factor=float(cfg.rollout.max_response_len),
         kl_coef=a.kl_coef,
         entropy_coeff=a.entropy_coeff,
-        tis_cap=a.rollout_correction.tis_cap or None,
+        tis_cap=rc.tis_cap or None,
         # Either bound alone masks on its side only (0 = off: the other end stays open).
         mis_token_bounds=(rc.mis_low, rc.mis_high or math.inf) if rc.mis_low or rc.mis_high else None,
     )
-    max_seq = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     return TrainerSpec(
         model_path=model_path,
-        dtype=cfg.model.dtype,
-        lora=LoraSpec(
-            rank=lo.rank,
-            alpha=lo.alpha,
-            dropout=lo.dropout,
-            modules=list(lo.target_modules),
-            experts=lo.target_experts,
-            latent=lo.target_latent,
-            extra=lo.extra,
-        ),
-        optim=OptimSpec(
-            lr=t.lr,
-            betas=tuple(t.betas),
-            eps=t.eps,
-            weight_decay=t.weight_decay,
-            warmup_steps=t.warmup_steps,
-            # Optimizer steps of the run, for the schedule: a batch of data.train_batch_size prompts makes
-            # this many (dynamic sampling may keep more or fewer groups; the schedule assumes the full batch).
-            total_steps=t.total_steps
-            * steps_per_batch(cfg.data.train_batch_size, t.mini_batch_size, t.ppo_epochs),
-            schedule=t.lr_schedule,
-            min_lr_ratio=t.min_lr_ratio,
-            grad_clip=t.grad_clip,
-        ),
+        trainer=copy.deepcopy(t),
+        lora=copy.deepcopy(cfg.lora),
         algo=algo_cfg,
-        mini_batch_size=t.mini_batch_size,
-        ppo_epochs=t.ppo_epochs,
-        micro_batch_size=t.micro_batch_size,
-        micro_batch_tokens=max(t.micro_batch_tokens, max_seq) if t.micro_batch_tokens else 0,
-        max_seq_len=max_seq,
+        dtype=cfg.model.dtype,
+        base_format=base_format(t.base_format, model_path),
+        max_seq_len=cfg.rollout.max_prompt_len + cfg.rollout.max_response_len,
+        # A batch of data.train_batch_size prompts makes this many optimizer steps (dynamic sampling may
+        # keep more or fewer groups; the schedule assumes the full batch).
+        optimizer_steps=t.total_steps
+        * steps_per_batch(cfg.data.train_batch_size, t.mini_batch_size, t.ppo_epochs),
         r3=cfg.r3.enabled,
         r3_live_kl=cfg.r3.measure_live_kl,
-        activation_checkpointing=t.activation_checkpointing,
-        compile=t.compile,
-        activation_memory_budget=t.activation_memory_budget,
-        logits_chunk_tokens=t.logits_chunk_tokens,
-        base_format=base_format(t.base_format, model_path),
         keep_versions=cfg.rollout.max_staleness,
         seed=cfg.run.seed,
+    )
+
+
+def engine_spec(cfg: SparkConfig, model_path: str):
+    """The rollout engines' spec (`rollout.spec.EngineSpec`); `model_path` is the resolved rollout weights.
+
+    Sleep mode follows placement (colocated shares GPUs with the trainer) and only applies with GPUs;
+    LoRA is on in adapter sync mode, off in merged mode (the merged weights carry the update).
+    """
+    from rollout.spec import EngineSpec
+
+    ro = cfg.rollout
+    max_len = ro.max_model_len or ro.max_prompt_len + max(ro.max_response_len, cfg.eval.max_response_len)
+    on_gpu = cfg.resources.num_gpus > 0
+    return EngineSpec(
+        model_path=model_path,
+        dtype=cfg.model.dtype,
+        max_model_len=max_len,
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        enforce_eager=ro.enforce_eager,
+        max_num_seqs=ro.max_num_seqs,
+        seed=ro.seed,
+        cpu_kvcache_gb=ro.cpu_kvcache_gb,
+        tensor_parallel_size=ro.tensor_parallel_size,
+        enable_lora=cfg.sync.mode == "adapter",
+        max_lora_rank=cfg.lora.rank,
+        lora_experts_stacked=cfg.sync.expert_layout == "stacked",
+        return_routed_experts=cfg.r3.enabled,
+        routing_by_reference=cfg.r3.enabled,
+        enable_sleep_mode=on_gpu and ro.placement == "colocated",
+        moe_backend=ro.moe_backend,
+        enable_prefix_caching=ro.enable_prefix_caching,
+        trust_remote_code=cfg.model.trust_remote_code,
+        extra_engine_args=copy.deepcopy(dict(ro.engine_args)),
     )
 
 
@@ -270,10 +283,9 @@ def build_rollout(cfg: SparkConfig, place, rollout_path: str, wait: bool = True)
     """The rollout pool (`rollout.pool.RolloutPool`) of the config, on `place` (rl.placement); `wait=False`
     returns once its workers are asked for (`RolloutPool.wait_ready` waits for them)."""
     from rollout.pool import RolloutPool
-    from rollout.spec import engine_spec_from_config
 
     return RolloutPool(
-        engine_spec_from_config(cfg, rollout_path),
+        engine_spec(cfg, rollout_path),
         cfg.rollout.num_workers,
         stage=cfg.run.name,  # each worker's directory of that name on its own node (rollout.staging)
         placement_group=place.placement_group,

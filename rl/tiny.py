@@ -23,8 +23,10 @@ import torch
 
 from rl.core.paths import cache_dir
 from rl.data.arith import ArithSpec, make_rows, sft_response
+from rl.models import register_auto_classes, registry
 
-ARCHES = ("dense", "qwen3_moe", "muse")
+# One a model family that has a tiny model (its `tiny` in rl/models/<family>/: config class and sizes).
+ARCHES = registry.TINY_ARCHES
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 EOS_TOKEN = "<|end|>"
 PAD_TOKEN = "<|pad|>"
@@ -39,9 +41,11 @@ VOCAB_SIZE = 1024
 
 
 def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int):
-    """The transformers config of a tiny `arch` (sizes chosen so vLLM's CPU kernels accept them)."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
-
+    """The transformers config of a tiny `arch`: the sizes every tiny model shares, and its family's own
+    (sizes chosen so vLLM's CPU kernels accept them)."""
+    family = registry.tiny_family(arch)
+    if family is None:
+        raise ValueError(f"make-tiny: --arch must be one of {', '.join(ARCHES)}, got {arch!r}")
     common = dict(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -56,32 +60,7 @@ def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int):
         bos_token_id=None,
         initializer_range=0.05,
     )
-    if arch == "dense":
-        return Qwen3Config(intermediate_size=384, head_dim=32, **common)
-    if arch == "qwen3_moe":
-        return Qwen3MoeConfig(
-            intermediate_size=384,
-            moe_intermediate_size=64,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            **common,
-        )
-    if arch == "muse":
-        from rl.models.muse import MuseSparkConfig  # importing registers it with the Auto classes
-
-        # 8 layers so the 3-sliding-then-1-full cycle shows (full: layers 3 and 7); a 16-token window so
-        # sliding attention changes prompts the tests use.
-        return MuseSparkConfig(
-            head_dim=32,
-            moe_latent_size=64,
-            moe_intermediate_size=64,
-            num_experts=8,
-            num_experts_per_tok=2,
-            sliding_window=16,
-            **{**common, "num_hidden_layers": 8},
-        )
-    raise ValueError(f"make-tiny: --arch must be one of {', '.join(ARCHES)}, got {arch!r}")
+    return family.tiny.build_config(common)
 
 
 def tokenizer_corpus(seed: int, n: int = 4000) -> list[str]:
@@ -144,24 +123,32 @@ def cache_key(arch: str, seed: int, sft: str | None) -> str:
 
     h = hashlib.sha256()
     h.update(json.dumps([arch, seed, sft, transformers.__version__, torch.__version__]).encode())
-    for module in (__file__, tiny_sft.__file__, make_rows.__code__.co_filename):
+    for module in (__file__, tiny_sft.__file__, make_rows.__code__.co_filename, *_family_sources(arch)):
         h.update(Path(module).read_bytes())
-    if arch == "muse":  # the model's own code is part of what make-tiny builds
-        import rl.models.muse
-
-        for module in sorted(Path(rl.models.muse.__file__).parent.glob("*.py")):
-            h.update(module.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _family_sources(arch: str) -> list[Path]:
+    """The family's files that make-tiny builds from: its folder's Python files (the arguments, and the
+    model's code where transformers lacks it), not its vLLM model."""
+    family = registry.tiny_family(arch)
+    if family is None:
+        return []
+    root = registry.MODELS_DIR.parents[1]
+    vllm = {root / (t.partition(":")[0].replace(".", "/") + ".py") for t in family.vllm_models.values()}
+    return [f for f in sorted(registry.family_dir(family).glob("*.py")) if f not in vllm]
 
 
 def make_tiny(arch: str, out: str | Path | None = None, seed: int = 0, sft: str | None = None) -> Path:
     """Build (or take from the cache) a tiny model; copy it to `out` when given. Returns the model dir.
 
     `sft="arith"` fine-tunes it on noisy arithmetic (rl.tiny_sft) so that its sampled accuracy on
-    held-out problems lands between 0.3 and 0.6: the starting point of the CPU demo.
+    held-out problems lands between 0.3 and 0.6: the starting point of the CPU demo. The families' classes
+    are registered with transformers' Auto classes, so the directory loads in this process.
     """
     if arch not in ARCHES:
         raise ValueError(f"make-tiny: --arch must be one of {', '.join(ARCHES)}, got {arch!r}")
+    register_auto_classes()
     if sft not in (None, "arith"):
         raise ValueError(f"make-tiny: --sft must be 'arith' or absent, got {sft!r}")
     cached = cache_dir() / "tiny" / f"{arch}-s{seed}{'-' + sft if sft else ''}-{cache_key(arch, seed, sft)}"

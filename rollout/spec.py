@@ -6,7 +6,6 @@ Ray process boundaries cheaply.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,35 +136,3 @@ class PromptRequest:
     def __post_init__(self):
         if len(self.prompt_ids) == 0:
             raise ValueError(f"PromptRequest of group {self.group} has no prompt tokens")
-
-
-def engine_spec_from_config(cfg, model_path: str) -> EngineSpec:
-    """The EngineSpec of a resolved `SparkConfig` (rl.config); `model_path` is the resolved rollout weights.
-
-    Sleep mode follows placement (colocated shares GPUs with the trainer) and only applies with GPUs;
-    LoRA is on in adapter sync mode, off in merged mode (the merged weights carry the update).
-    """
-    ro = cfg.rollout
-    max_len = ro.max_model_len or ro.max_prompt_len + max(ro.max_response_len, cfg.eval.max_response_len)
-    on_gpu = cfg.resources.num_gpus > 0
-    return EngineSpec(
-        model_path=model_path,
-        dtype=cfg.model.dtype,
-        max_model_len=max_len,
-        gpu_memory_utilization=ro.gpu_memory_utilization,
-        enforce_eager=ro.enforce_eager,
-        max_num_seqs=ro.max_num_seqs,
-        seed=ro.seed,
-        cpu_kvcache_gb=ro.cpu_kvcache_gb,
-        tensor_parallel_size=ro.tensor_parallel_size,
-        enable_lora=cfg.sync.mode == "adapter",
-        max_lora_rank=cfg.lora.rank,
-        lora_experts_stacked=cfg.sync.expert_layout == "stacked",
-        return_routed_experts=cfg.r3.enabled,
-        routing_by_reference=cfg.r3.enabled,
-        enable_sleep_mode=on_gpu and ro.placement == "colocated",
-        moe_backend=ro.moe_backend,
-        enable_prefix_caching=ro.enable_prefix_caching,
-        trust_remote_code=cfg.model.trust_remote_code,
-        extra_engine_args=copy.deepcopy(dict(ro.engine_args)),
-    )

@@ -248,7 +248,7 @@ def engine_env(spec: EngineSpec, bundles: EngineBundles | None) -> dict[str, str
         return {}
     import ray
 
-    from rl.compat import vllm_ray_executor_env
+    from rl.core.compat import vllm_ray_executor_env
 
     if ray.util.get_current_placement_group() is None:
         raise RuntimeError(

@@ -188,7 +188,7 @@ class TrainerGroup:
         `log_probs`' own extra forward)."""
         spec = self.spec
         groups = len({s.group for s in samples})
-        one_step = steps_per_batch(groups, spec.mini_batch_size, spec.ppo_epochs) == 1
+        one_step = steps_per_batch(groups, spec.trainer.mini_batch_size, spec.trainer.ppo_epochs) == 1
         live = spec.r3 and spec.r3_live_kl
         return one_step and not spec.algo.corrects_rollout and not spec.lora.dropout and not live
 
@@ -199,7 +199,7 @@ class TrainerGroup:
         old_logprobs: list[np.ndarray] | None = None,
         return_logprobs: bool = False,
     ) -> dict[str, float] | tuple[dict[str, float], list[np.ndarray]]:
-        """One batch: `spec.ppo_epochs` passes of one optimizer step per mini-batch (trainer.minibatch).
+        """One batch: `trainer.ppo_epochs` passes of one optimizer step per mini-batch (trainer.minibatch).
         Each mini-batch is split over the ranks by tokens; a rank gets every sample it trains on in any
         step once, with the steps as lists of its local indices. return_logprobs (one on-policy step):
         also the update forward's log-probs, in the batch's order (TrainerWorker.train_step)."""
@@ -207,8 +207,8 @@ class TrainerGroup:
             raise ValueError(f"train_step: {len(advantages)} advantages for {len(samples)} samples")
         plan = mini_batch_plan(
             [s.group for s in samples],
-            self.spec.mini_batch_size,
-            self.spec.ppo_epochs,
+            self.spec.trainer.mini_batch_size,
+            self.spec.trainer.ppo_epochs,
             self.spec.seed,
             self.batches,
         )

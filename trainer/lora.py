@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from trainer.config import LoraConfig
 from trainer.lora_experts import use_grouped_expert_lora
-
-if TYPE_CHECKING:  # trainer.spec imports verl (rl.core.algo); this module runs without it
-    from trainer.spec import LoraSpec
 
 ADAPTER_NAME = "default"
 LATENT_MODULES = ("pooler", "unpooler")  # Muse Spark Open's latent MoE projections
@@ -53,36 +51,41 @@ def _extra_modules(model: nn.Module, pattern: str) -> list[str]:
     return names
 
 
-def lora_config(model: nn.Module, spec: LoraSpec, init_lora_weights: bool = True) -> LoraConfig:
-    """PEFT's config for exactly the named targets: each of spec.modules (a last path component) wherever
-    the model has it, the latent projections, the full names spec.extra matches, and the fused experts.
+def lora_config(model: nn.Module, lora: LoraConfig, init_lora_weights: bool = True) -> PeftLoraConfig:
+    """PEFT's config for exactly the `lora:` section's targets: each of target_modules (a last path
+    component) wherever the model has it, the latent projections, the full names `extra` matches, and the
+    fused experts.
     init_lora_weights=False draws B at random too (PEFT's meaning): tests use it so that gradients
     reach A; training starts from PEFT's default, B = 0 (the adapter is a no-op at step 0)."""
     present = _module_names(model)
     modules: list[str] = []
-    for m in spec.modules:
+    for m in lora.target_modules:
         if m in FROZEN_MODULES:
             raise ValueError(f"lora.target_modules: {m!r} is a router; routers stay frozen")
         if m not in present:
             raise ValueError(f"lora.target_modules: the model has no module named {m!r}")
         if m not in modules:
             modules.append(m)
-    if spec.latent:
+    if lora.target_latent:
         modules += [m for m in LATENT_MODULES if m in present and m not in modules]
-    if spec.extra:
+    if lora.extra:
         # Full names: PEFT matches a listed name as the whole module name or its last components.
-        modules += [m for m in _extra_modules(model, spec.extra) if m not in modules]
-    params = expert_parameter_targets(model) if spec.experts else []
-    if spec.experts and not params:
-        raise ValueError(f"lora: experts=True but {type(model).__name__} has no fused expert parameters")
-    if params and spec.dropout:
+        modules += [m for m in _extra_modules(model, lora.extra) if m not in modules]
+    params = expert_parameter_targets(model) if lora.target_experts else []
+    if lora.target_experts and not params:
+        raise ValueError(
+            f"lora.target_experts: true, but {type(model).__name__} has no fused expert parameters"
+        )
+    if params and lora.dropout:
         raise ValueError("lora.dropout must be 0 with expert targets (PEFT cannot apply dropout to them)")
     if not modules and not params:
-        raise ValueError("lora: no target modules or parameters; set modules, experts, latent or extra")
-    return LoraConfig(
-        r=spec.rank,
-        lora_alpha=spec.alpha,
-        lora_dropout=spec.dropout,
+        raise ValueError(
+            "lora: no target modules or parameters; set target_modules, target_experts, target_latent or extra"
+        )
+    return PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
         target_modules=modules or None,
         target_parameters=params or None,
         init_lora_weights=init_lora_weights,
@@ -92,7 +95,7 @@ def lora_config(model: nn.Module, spec: LoraSpec, init_lora_weights: bool = True
 
 def apply_lora(
     model: nn.Module,
-    spec: LoraSpec,
+    lora: LoraConfig,
     seed: int,
     init_lora_weights: bool = True,
     grouped_experts: bool = True,
@@ -101,7 +104,7 @@ def apply_lora(
     and a single-process reference draw the same ones) and held in fp32 whatever the base dtype.
     grouped_experts: run expert LoRA as grouped matmuls beside the frozen experts (trainer/lora_experts.py)
     instead of PEFT's re-parametrised weights; same function and parameters, cheaper to train."""
-    config = lora_config(model, spec, init_lora_weights)
+    config = lora_config(model, lora, init_lora_weights)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)

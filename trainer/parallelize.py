@@ -12,7 +12,7 @@ AOTAutograd's partitioner chooses, in each compiled graph, what to save and what
 cheapest recomputation first, within that fraction of the way from keeping only the graph's inputs (0) to
 its default, fastest split (1); docs/benchmarks.md (Trainer) has what each setting costs on the H200.
 torch reads the budget from a process-global config when
-it compiles a graph, lazily at the first call (rl/compat.py), so it is set for the whole process: a trainer
+it compiles a graph, lazily at the first call (rl/core/compat.py), so it is set for the whole process: a trainer
 worker is a process of its own, with one model."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from rl.compat import set_activation_memory_budget
+from rl.core.compat import set_activation_memory_budget
 
 DEFAULT_MEMORY_BUDGET = 1.0  # torch's own: the partitioner's fastest split
 

@@ -6,7 +6,8 @@ from the live logits gathered at those ids and normalised the way the model norm
 through the weights stay right. Rows without replay (the last token of a sample, which the rollout never
 routed, and padding) keep the live router's choice.
 
-One adapter function per router class (`ROUTER_ADAPTERS`) is the hook point for other MoE blocks.
+Which modules are routers, and how each replays, is its model family's (rl/models/<family>/, the
+`routers` of its registry entry): this module asks rl.models.registry and holds no model's code.
 
 Replay ids for one forward are [N, L, k] long with N = batch * seq_len (the flattened rows every router
 sees), L = number of MoE layers in model order, plus valid [N] bool. Keep the context open through
@@ -15,54 +16,18 @@ backward: activation checkpointing recomputes the routers there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-# (router module, its output, ids [N, k] long, valid [N] bool) -> the output the MoE block will see
-RouterAdapter = Callable[[nn.Module, tuple, torch.Tensor, torch.Tensor], tuple]
-ROUTER_ADAPTERS: dict[type, RouterAdapter] = {}
+from rl.models.family import RouterAdapter
+from rl.models.registry import router_adapters
 
-
-def register_router(cls: type) -> Callable[[RouterAdapter], RouterAdapter]:
-    def deco(fn: RouterAdapter) -> RouterAdapter:
-        ROUTER_ADAPTERS[cls] = fn
-        return fn
-
-    return deco
-
-
-def _register_qwen3_moe() -> None:
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-
-    @register_router(Qwen3MoeTopKRouter)
-    def _qwen3_moe(router, output, ids, valid):
-        # Mirrors Qwen3MoeTopKRouter.forward: softmax in fp32, top-k, optional renormalisation, cast back.
-        # tests/unit/test_trainer_routing_replay.py pins that replaying the live ids is bit-identical.
-        logits, _, live_ids = output
-        idx = torch.where(valid[:, None], ids, live_ids)
-        probs = F.softmax(logits, dtype=torch.float, dim=-1)
-        top = probs.gather(-1, idx)
-        if router.norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return logits, top.to(logits.dtype), idx
-
-
-def _register_muse() -> None:
-    from rl.models.muse import MuseSparkTopKRouter
-
-    # The Muse router implements its own replay (same output triple as Qwen3-MoE's router).
-    register_router(MuseSparkTopKRouter)(
-        lambda router, output, ids, valid: router.replay_output(output, ids, valid)
-    )
-
-
-_register_qwen3_moe()
-_register_muse()
+# router class -> its family's adapter: every router the trainer can replay
+ROUTER_ADAPTERS: dict[type, RouterAdapter] = router_adapters()
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:

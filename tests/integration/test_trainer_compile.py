@@ -20,13 +20,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 
 from rl.tiny import make_tiny
+from trainer.config import LoraConfig
 from trainer.gloo import cpu_backend
 from trainer.lora import apply_lora
 from trainer.lora_experts import GroupedLoraExperts
 from trainer.parallelize import parallelize
 from trainer.rendezvous import free_port
 from trainer.routing_replay import RoutingReplay
-from trainer.spec import LoraSpec
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def _model(mesh, compile: bool, dtype=torch.bfloat16, budget: float = 0.0):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(make_tiny("muse"), dtype=torch.bfloat16).to(dtype)
-    spec = LoraSpec(rank=8, alpha=16.0, experts=True, latent=True)
+    spec = LoraConfig(rank=8, alpha=16.0, target_experts=True, target_latent=True)
     model = apply_lora(base, spec, seed=2, init_lora_weights=False)
     replay = RoutingReplay(base)
     parallelize(

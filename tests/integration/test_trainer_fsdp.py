@@ -12,24 +12,35 @@ import pytest
 import ray
 import torch
 
-from rl.compat import hf_checkpoint_state_dict
 from rl.core.algo import AlgoConfig
+from rl.core.compat import hf_checkpoint_state_dict
 from rl.tiny import make_tiny
 from trainer.checkpoint_io import write_adapter
+from trainer.config import LoraConfig, TrainerConfig
 from trainer.group import TrainerGroup
 from trainer.lora import apply_lora
 from trainer.minibatch import mini_batch_plan
 from trainer.optim import make_optimizer
 from trainer.routing_replay import RoutingReplay
-from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
+from trainer.spec import TrainerSpec
 from trainer.testing import live_routing, random_samples, reference_logprobs, reference_loss
 
 pytestmark = pytest.mark.slow
 
 ALGO = AlgoConfig(clip_ratio_low=0.2, clip_ratio_high=0.28)
-OPTIM = OptimSpec(
-    lr=1e-2, grad_clip=0.5, warmup_steps=2, total_steps=10, schedule="cosine", weight_decay=0.01
+# No micro-batch token budget: micro-batches of 2 sequences. compile is ignored on CPU; off for clarity.
+TRAINER = TrainerConfig(
+    lr=1e-2,
+    grad_clip=0.5,
+    warmup_steps=2,
+    lr_schedule="cosine",
+    weight_decay=0.01,
+    micro_batch_tokens=0,
+    micro_batch_size=2,
+    activation_checkpointing=True,
+    compile=False,
 )
+OPTIMIZER_STEPS = 10
 
 
 def make_spec(**changes) -> TrainerSpec:
@@ -37,14 +48,14 @@ def make_spec(**changes) -> TrainerSpec:
         model_path=str(make_tiny("qwen3_moe")),
         dtype="float32",  # exact comparisons on CPU; bf16 compute is the GPU default
         # rank 8: a rank the grouped expert path (trainer/lora_experts.py, GPU only) would take
-        lora=LoraSpec(rank=8, alpha=16.0, init_lora_weights=False),
-        optim=OPTIM,
+        lora=LoraConfig(rank=8, alpha=16.0),
+        trainer=copy.deepcopy(TRAINER),
+        optimizer_steps=OPTIMIZER_STEPS,
         algo=ALGO,
-        micro_batch_size=2,
         max_seq_len=32,
         r3=True,
-        activation_checkpointing=True,
         seed=1,
+        init_lora_weights=False,
     )
     return dataclasses.replace(spec, **changes)
 
@@ -53,11 +64,11 @@ def make_spec(**changes) -> TrainerSpec:
 # model and the entropy bonus on; a smaller lr keeps Adam's ill-conditioned elements (|g| ~ eps, where
 # rounding moves a step by up to lr) from drifting the two sides apart over six steps.
 MB_ALGO = dataclasses.replace(ALGO, kl_coef=0.1, entropy_coeff=0.01)
-MB_OPTIM = dataclasses.replace(OPTIM, lr=1e-3, weight_decay=0.0)
+MB_TRAINER = dataclasses.replace(TRAINER, lr=1e-3, weight_decay=0.0, mini_batch_size=1, ppo_epochs=2)
 
 
 def mb_spec() -> TrainerSpec:
-    return make_spec(mini_batch_size=1, ppo_epochs=2, algo=MB_ALGO, optim=MB_OPTIM)
+    return make_spec(algo=MB_ALGO, trainer=copy.deepcopy(MB_TRAINER))
 
 
 @pytest.fixture(scope="module")
@@ -133,13 +144,13 @@ def test_two_ranks_match_the_single_process_reference(group, reference, batch, t
     assert step["actor/pg_loss"] == pytest.approx(float(loss.detach()), rel=1e-4, abs=1e-6)
     assert step["actor/pg_clipfrac"] == pytest.approx(ref_metrics["actor/pg_clipfrac"], abs=1e-6)
     assert 0 < step["actor/pg_clipfrac"] < 1
-    assert step["actor/lr"] == pytest.approx(OPTIM.lr / OPTIM.warmup_steps)  # first warm-up step
+    assert step["actor/lr"] == pytest.approx(TRAINER.lr / TRAINER.warmup_steps)  # first warm-up step
     assert step["perf/train_tokens"] == sum(s.num_tokens for s in samples)
 
     params = {n.replace(".default.", "."): p for n, p in model.named_parameters() if p.requires_grad}
-    ref_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), OPTIM.grad_clip)
+    ref_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), TRAINER.grad_clip)
     assert step["actor/grad_norm"] == pytest.approx(float(ref_norm), rel=1e-4)
-    assert step["actor/grad_norm"] > OPTIM.grad_clip  # so clipping was exercised
+    assert step["actor/grad_norm"] > TRAINER.grad_clip  # so clipping was exercised
     grads = group.gradients()  # as the optimizer saw them: summed over ranks and micro-batches, clipped
     assert set(grads) == set(params)
     for name, g in grads.items():
@@ -151,7 +162,7 @@ def test_two_ranks_match_the_single_process_reference(group, reference, batch, t
 
     # The update: AdamW with the same hyper-parameters on the reference.
     opt = torch.optim.AdamW(
-        list(params.values()), lr=OPTIM.lr / OPTIM.warmup_steps, weight_decay=OPTIM.weight_decay
+        list(params.values()), lr=TRAINER.lr / TRAINER.warmup_steps, weight_decay=TRAINER.weight_decay
     )
     opt.step()
     adapter, config = group.export_adapter()
@@ -162,7 +173,7 @@ def test_two_ranks_match_the_single_process_reference(group, reference, batch, t
         "mlp.experts.down_proj",
         "mlp.experts.gate_up_proj",
     ]
-    step_lr = OPTIM.lr / OPTIM.warmup_steps
+    step_lr = TRAINER.lr / TRAINER.warmup_steps
     for name, v in adapter.items():
         # Adam's first step is lr * g / (|g| + eps): where |g| is within rounding of eps (1e-8) the step
         # is ill-conditioned (any rounding moves it by up to lr), so those elements are held to one step;
@@ -318,7 +329,7 @@ def test_mini_batches_epochs_kl_and_entropy_match_the_reference(mb_group, batch)
     model.eval()
     replay = RoutingReplay(base)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt, sched = make_optimizer(params, spec.optim)
+    opt, sched = make_optimizer(params, spec.trainer, spec.optimizer_steps)
     with torch.no_grad():
         old = [reference_logprobs(model, s, replay) for s in samples]
         with model.disable_adapter():
@@ -337,7 +348,7 @@ def test_mini_batches_epochs_kl_and_entropy_match_the_reference(mb_group, batch)
             model, pick(samples), pick(advantages), pick(old), MB_ALGO, replay, ref_logprobs=pick(ref)
         )
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, spec.optim.grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, spec.trainer.grad_clip)
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()

@@ -18,8 +18,9 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from trainer.config import LoraConfig, TrainerConfig
 from trainer.group import TrainerGroup
-from trainer.spec import LoraSpec, OptimSpec, TrainerSpec
+from trainer.spec import TrainerSpec
 from trainer.testing import random_samples
 
 NODES = ("127.0.0.2", "127.0.0.3")
@@ -47,9 +48,11 @@ def test_ranks_on_two_nodes_meet_at_rank0s_node_address(two_nodes, tiny_moe_path
     spec = TrainerSpec(
         model_path=str(tiny_moe_path),
         dtype="float32",
-        lora=LoraSpec(rank=8, alpha=16.0),
-        optim=OptimSpec(lr=1e-3, total_steps=1),
-        micro_batch_size=2,
+        lora=LoraConfig(rank=8, alpha=16.0),
+        trainer=TrainerConfig(
+            lr=1e-3, micro_batch_tokens=0, micro_batch_size=2, activation_checkpointing=False, compile=False
+        ),
+        optimizer_steps=1,
         max_seq_len=32,
     )
     group = TrainerGroup(spec, 2, placement_group_name="ranks")

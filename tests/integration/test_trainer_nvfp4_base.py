@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from trainer.config import LoraConfig, TrainerConfig
 from trainer.rendezvous import free_port
-from trainer.spec import LoraSpec, TrainerSpec
+from trainer.spec import TrainerSpec
 
 pytestmark = pytest.mark.slow
 
@@ -26,14 +27,15 @@ def _spec(path: str, fmt: str, dtype: str = "float32") -> TrainerSpec:
     return TrainerSpec(
         model_path=path,
         dtype=dtype,
-        lora=LoraSpec(rank=4, alpha=8.0, latent=True, init_lora_weights=False),
-        micro_batch_size=2,
+        lora=LoraConfig(rank=4, alpha=8.0, target_latent=True),
+        trainer=TrainerConfig(
+            micro_batch_tokens=0, micro_batch_size=2, activation_checkpointing=True, logits_chunk_tokens=5
+        ),
         max_seq_len=32,
         r3=True,
-        activation_checkpointing=True,
-        logits_chunk_tokens=5,
         base_format=fmt,
         seed=1,
+        init_lora_weights=False,
     )
 
 

@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from trainer.config import LoraConfig
 from trainer.rendezvous import free_port
-from trainer.spec import LoraSpec
 
 
-def _lora(model) -> LoraSpec:
+def _lora(model) -> LoraConfig:
     experts = any(p.dim() == 3 for p in model.parameters())
-    return LoraSpec(rank=4, alpha=8.0, experts=experts, latent=experts)
+    return LoraConfig(rank=4, alpha=8.0, target_experts=experts, target_latent=experts)
 
 
 def _rank_main(rank, world, port, path, activation_checkpointing, out_dir):
@@ -70,12 +70,10 @@ def _run(world, path, tmp_path, activation_checkpointing=False):
 
 
 def _reference(path):
-    from transformers import AutoModelForCausalLM
-
-    import rl.models.muse  # noqa: F401
+    from rl.models import auto_causal_lm
     from trainer.lora import apply_lora
 
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    base = auto_causal_lm().from_pretrained(path, dtype=torch.bfloat16)
     model = apply_lora(base, _lora(base), seed=3, init_lora_weights=False)
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 

@@ -303,14 +303,14 @@ def test_an_async_rollout_needs_gpus_of_its_own(tmp_path):
 
 
 def test_engine_args_reach_vllm_over_the_settings_sparkrl_makes(tmp_path):
-    from rollout.spec import engine_spec_from_config
+    from rl.setup import engine_spec
     from rollout.worker import ModelInfo, engine_kwargs
 
     cfg = load_config(
         recipe(tmp_path),
         ["rollout.engine_args={compilation_config: {cudagraph_mode: FULL_DECODE_ONLY}, max_num_seqs: 7}"],
     )
-    spec = engine_spec_from_config(cfg, "/m")
+    spec = engine_spec(cfg, "/m")
     assert spec.extra_engine_args == {
         "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"},
         "max_num_seqs": 7,
@@ -318,7 +318,7 @@ def test_engine_args_reach_vllm_over_the_settings_sparkrl_makes(tmp_path):
     kw = engine_kwargs(spec, ModelInfo(num_layers=2, num_experts=0, top_k=0, quantization=None))
     assert kw["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
     assert kw["max_num_seqs"] == 7  # over rollout.max_num_seqs
-    assert engine_spec_from_config(load_config(recipe(tmp_path)), "/m").extra_engine_args == {}
+    assert engine_spec(load_config(recipe(tmp_path)), "/m").extra_engine_args == {}
 
 
 def test_choices_are_the_registries_names(tmp_path):
@@ -332,12 +332,12 @@ def test_choices_are_the_registries_names(tmp_path):
 
 
 def test_expert_layout_reaches_the_engine(tmp_path):
-    from rollout.spec import engine_spec_from_config
+    from rl.setup import engine_spec
 
     path = recipe(tmp_path)
-    assert engine_spec_from_config(load_config(path), "/m").lora_experts_stacked is True  # the default
+    assert engine_spec(load_config(path), "/m").lora_experts_stacked is True  # the default
     per_expert = load_config(path, ["sync.expert_layout=per_expert"])
-    assert engine_spec_from_config(per_expert, "/m").lora_experts_stacked is False
+    assert engine_spec(per_expert, "/m").lora_experts_stacked is False
     assert "sync.expert_layout: expected one of 'stacked', 'per_expert'" in error(
         path, ["sync.expert_layout=3d"]
     )
@@ -498,4 +498,4 @@ def test_trainer_spec_carries_the_memory_budget():
     from rl.setup import trainer_spec
 
     cfg = load_config(REPO / "recipes" / "demo_cpu.yaml", ["trainer.activation_memory_budget=0.25"])
-    assert trainer_spec(cfg, "model").activation_memory_budget == 0.25
+    assert trainer_spec(cfg, "model").trainer.activation_memory_budget == 0.25

@@ -96,9 +96,7 @@ def _bare_run(limit=3):
 def test_a_non_finite_update_is_skipped_counted_and_three_in_a_row_abort():
     run = _bare_run()
     for step, skipped in enumerate([1, 0, 1, 1], start=1):
-        metrics = {"actor/skipped_step": float(skipped)}
-        run._count_skips(step, metrics)
-        assert metrics["train/skipped_steps"] == [1, 1, 2, 3][step - 1]
+        assert run._count_skips(step, {"actor/skipped_step": float(skipped)}) == [1, 1, 2, 3][step - 1]
     assert run.skipped_in_a_row == 2 and len(run.log.events) == 3
     with pytest.raises(
         StopRun, match=r"3 updates in a row had a non-finite loss .*trainer.max_skipped_steps=3"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.compat import vllm_ray_executor_env
 from rl.config import load_config
+from rl.core.compat import vllm_ray_executor_env
 from rl.placement import COLOCATED_SHARE, engine_bundles, packed_node_sizes, plan_placement
 from rollout.spec import EngineBundles, EngineSpec
 from rollout.worker import ModelInfo, engine_kwargs

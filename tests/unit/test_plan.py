@@ -166,7 +166,7 @@ def test_merged_sync_has_no_lora_slot_and_bf16_rollout(small_cfg, tmp_path):
 
 
 def test_muse_kv_ratio_at_1m_and_nvfp4_weights():
-    s = P.muse_spark_open()
+    s = P.builtin_shape("muse-spark-open")
     assert (s.num_layers, s.window_layers, s.window, s.num_experts, s.latent) == (62, 46, 2048, 256, 4096)
     assert s.num_layers - s.window_layers == 16
     ratio = s.kv_ratio(1_048_576)
@@ -238,7 +238,7 @@ def test_builtin_muse_agrees_with_the_model_config(tmp_path):
     read like any other and comes to the design doc's parameter totals."""
     muse = pytest.importorskip("rl.models.muse")
     config = muse.MuseSparkConfig().to_dict()
-    built_in = P.muse_spark_open()
+    built_in = P.builtin_shape("muse-spark-open")
     read = P.shape_from_hf(config, "muse", "test")
     fields = (
         "num_layers",

@@ -65,6 +65,40 @@ def test_moe_models_pass_the_expert_check(tiny_moe_path):
     preflight(_cfg("model.make_tiny.arch=", f"model.path={tiny_moe_path}"))
 
 
+def _checkpoint(directory: Path, config: dict) -> Path:
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "model.safetensors").write_bytes(b"")
+    return directory
+
+
+def test_a_moe_model_whose_router_no_family_knows_is_refused_with_r3(tmp_path):
+    """Not a run that trains without routing replay and says so only by r3/replayed_fraction 0."""
+    model = _checkpoint(
+        tmp_path / "unknown-moe",
+        {"model_type": "unknown_moe", "architectures": ["UnknownMoeForCausalLM"], "num_local_experts": 8},
+    )
+    base = ["model.make_tiny.arch=", f"model.path={model}"]
+    with pytest.raises(PreflightError) as e:
+        preflight(_cfg(*base))
+    assert e.value.problems == [
+        f"r3.enabled: {model} (UnknownMoeForCausalLM) is a mixture-of-experts model of model_type "
+        "'unknown_moe', and no family in rl/models/ claims it, so its routing cannot be replayed; set "
+        "r3.enabled=false to train without routing replay, or add rl/models/unknown_moe/ with its router "
+        "adapter (docs/design.md, Models)"
+    ]
+    preflight(_cfg(*base, "r3.enabled=false"))  # the way out
+    preflight(_cfg(*base), train=False)  # evaluation replays nothing
+
+    # A family that is known but brings no router adapter for its MoE model is refused the same way.
+    known = _checkpoint(tmp_path / "qwen3-moe-like", {"model_type": "qwen3", "num_experts": 8})
+    with pytest.raises(PreflightError) as e:
+        preflight(_cfg("model.make_tiny.arch=", f"model.path={known}"))
+    assert [p.split(":")[0] for p in e.value.problems] == ["r3.enabled"]
+    assert "its family, rl/models/qwen3/, has no router adapter" in e.value.problems[0]
+    assert "add its router adapter to rl/models/qwen3/" in e.value.problems[0]
+
+
 def test_a_model_directory_without_config_json(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(PreflightError, match=f"model.path: {tmp_path} has no config.json"):

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from rl.cli import main
 from rl import tiny
+from rl.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from torch.utils._pytree import tree_flatten
 
 from rl.core import algo
 from rl.tiny import make_tiny
+from trainer.config import LoraConfig
 from trainer.logprobs import NO_LOGITS, FinalHidden, head_logprobs
 from trainer.lora import apply_lora
-from trainer.spec import LoraSpec
 
 
 class PeakBytes(TorchDispatchMode):
@@ -57,7 +57,7 @@ def policy():
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(make_tiny("qwen3_moe"), dtype=torch.float32)
-    model = apply_lora(base, LoraSpec(rank=4, alpha=8.0), seed=0, init_lora_weights=False)
+    model = apply_lora(base, LoraConfig(rank=4, alpha=8.0), seed=0, init_lora_weights=False)
     return base, model
 
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 from peft import PeftModel, get_peft_model_state_dict
 
-from rl.compat import hf_checkpoint_state_dict
 from rl.core.adapter_files import read_peft_dir
+from rl.core.compat import hf_checkpoint_state_dict
 from rl.tiny import make_tiny
 from trainer.checkpoint_io import write_adapter
+from trainer.config import LoraConfig
 from trainer.lora import apply_lora, check_adapter, lora_config, lora_layout, merge_lora, peft_config_dict
-from trainer.spec import LoraSpec
 from trainer.testing import random_samples, reference_logprobs
 
 
@@ -24,7 +24,7 @@ def base():
 
 @pytest.fixture(scope="module")
 def model():
-    m = apply_lora(base(), LoraSpec(rank=4, alpha=8.0), seed=0, init_lora_weights=False)
+    m = apply_lora(base(), LoraConfig(rank=4, alpha=8.0), seed=0, init_lora_weights=False)
     return m.eval()
 
 
@@ -34,7 +34,7 @@ def test_targets_attention_and_fused_experts_but_not_router_or_norms(model):
     assert len(trainable) == 4 * (4 + 2) * 2  # layers x (q, k, v, o, gate_up, down) x (A, B)
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if p.requires_grad)
     assert not any(".gate." in n or "norm" in n for n in trainable)
-    cfg = lora_config(base(), LoraSpec(modules=[]))
+    cfg = lora_config(base(), LoraConfig(rank=8, alpha=16.0, target_modules=[]))
     assert cfg.target_modules in (None, set()) and set(cfg.target_parameters) == {
         "mlp.experts.gate_up_proj",
         "mlp.experts.down_proj",
@@ -47,7 +47,9 @@ def _adapted(model) -> set[str]:
 
 
 def test_targets_are_exactly_the_named_projections_in_the_adapter_config_too(tmp_path):
-    model = apply_lora(base(), LoraSpec(rank=4, modules=["q_proj"], experts=False), seed=0)
+    model = apply_lora(
+        base(), LoraConfig(rank=4, alpha=16.0, target_modules=["q_proj"], target_experts=False), seed=0
+    )
     adapted = _adapted(model)
     assert len(adapted) == 4 and all(n.endswith("self_attn.q_proj") for n in adapted)
     config = peft_config_dict(model, "base")
@@ -57,12 +59,22 @@ def test_targets_are_exactly_the_named_projections_in_the_adapter_config_too(tmp
 
     _, vllm_config = peft_to_vllm(get_peft_model_state_dict(model), config)
     assert vllm_config["target_modules"] == ["q_proj"]
-    two = apply_lora(base(), LoraSpec(rank=4, modules=["k_proj", "o_proj"], experts=False), seed=0)
+    two = apply_lora(
+        base(),
+        LoraConfig(rank=4, alpha=16.0, target_modules=["k_proj", "o_proj"], target_experts=False),
+        seed=0,
+    )
     assert {n.rsplit(".", 1)[-1] for n in _adapted(two)} == {"k_proj", "o_proj"}
 
 
 def test_extra_is_a_regex_matched_in_full_against_full_module_names():
-    spec = LoraSpec(rank=4, modules=[], experts=False, extra=r"model\.layers\.[02]\.self_attn\.(q|v)_proj")
+    spec = LoraConfig(
+        rank=4,
+        alpha=16.0,
+        target_modules=[],
+        target_experts=False,
+        extra=r"model\.layers\.[02]\.self_attn\.(q|v)_proj",
+    )
     model = apply_lora(base(), spec, seed=0)
     assert {n.removeprefix("base_model.model.") for n in _adapted(model)} == {
         "model.layers.0.self_attn.q_proj",
@@ -72,22 +84,22 @@ def test_extra_is_a_regex_matched_in_full_against_full_module_names():
     }
     # In full: a pattern that only matches part of a name matches nothing.
     with pytest.raises(ValueError, match=r"lora.extra: 'q_proj' matches no module name"):
-        lora_config(base(), LoraSpec(extra="q_proj"))
+        lora_config(base(), LoraConfig(rank=8, alpha=16.0, extra="q_proj"))
 
 
 def test_bad_targets_are_named():
     with pytest.raises(
         ValueError, match=r"matches the router 'model.layers.0.mlp.gate'; routers stay frozen"
     ):
-        lora_config(base(), LoraSpec(extra=r"model\.layers\.0\.mlp\.gate"))
+        lora_config(base(), LoraConfig(rank=8, alpha=16.0, extra=r"model\.layers\.0\.mlp\.gate"))
     with pytest.raises(ValueError, match="lora.target_modules: 'gate' is a router"):
-        lora_config(base(), LoraSpec(modules=["q_proj", "gate"]))
+        lora_config(base(), LoraConfig(rank=8, alpha=16.0, target_modules=["q_proj", "gate"]))
     with pytest.raises(ValueError, match="lora.target_modules: the model has no module named 'w_in'"):
-        lora_config(base(), LoraSpec(modules=["w_in"]))
+        lora_config(base(), LoraConfig(rank=8, alpha=16.0, target_modules=["w_in"]))
     with pytest.raises(ValueError, match="dropout must be 0 with expert targets"):
-        lora_config(base(), LoraSpec(dropout=0.1))
+        lora_config(base(), LoraConfig(rank=8, alpha=16.0, dropout=0.1))
     with pytest.raises(ValueError, match="no target modules or parameters"):
-        lora_config(base(), LoraSpec(modules=[], experts=False))
+        lora_config(base(), LoraConfig(rank=8, alpha=16.0, target_modules=[], target_experts=False))
 
 
 def test_exported_adapter_loads_with_peft_and_gives_the_same_log_probs(model, tmp_path):

@@ -8,12 +8,12 @@ import torch
 from peft.tuners.lora.layer import ParamWrapper
 
 from rl.tiny import make_tiny
+from trainer.config import LoraConfig
 from trainer.lora import apply_lora
 from trainer.lora_experts import GroupedLoraExperts, allow_on_cpu
 from trainer.routing_replay import RoutingReplay
-from trainer.spec import LoraSpec
 
-SPEC = LoraSpec(rank=8, alpha=16.0, experts=True, latent=True)
+SPEC = LoraConfig(rank=8, alpha=16.0, target_experts=True, target_latent=True)
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +24,7 @@ def grouped_on_cpu():
     allow_on_cpu(False)
 
 
-def _pair(arch: str, spec: LoraSpec = SPEC):
+def _pair(arch: str, spec: LoraConfig = SPEC):
     from transformers import AutoModelForCausalLM
 
     path = make_tiny(arch)
@@ -94,7 +94,7 @@ def test_ranks_the_grouped_kernel_cannot_take_keep_peft():
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(make_tiny("qwen3_moe"), dtype=torch.float32)
-    model = apply_lora(base, LoraSpec(rank=4, alpha=8.0), seed=0)
+    model = apply_lora(base, LoraConfig(rank=4, alpha=8.0), seed=0)
     wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
     assert wrappers and not any(isinstance(m, GroupedLoraExperts) for m in wrappers)
 

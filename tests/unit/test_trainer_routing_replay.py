@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from rl.tiny import make_tiny
+from trainer.config import LoraConfig
 from trainer.lora import apply_lora, expert_slices
 from trainer.routing_replay import RoutingReplay
-from trainer.spec import LoraSpec
 from trainer.testing import live_routing, random_samples, reference_logprobs
 
 NUM_EXPERTS = 8
@@ -19,7 +19,7 @@ def setup():
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(make_tiny("qwen3_moe"), dtype=torch.float32)
-    model = apply_lora(base, LoraSpec(rank=4, init_lora_weights=False), seed=0, init_lora_weights=False)
+    model = apply_lora(base, LoraConfig(rank=4, alpha=16.0), seed=0, init_lora_weights=False)
     model.eval()
     replay = RoutingReplay(base)
     sample = random_samples(1, seed=3, prompt_len=(6, 7), response_len=(8, 9))[0]

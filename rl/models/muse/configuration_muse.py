@@ -12,6 +12,8 @@ from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+from rl.models.muse import MODEL_TYPE
+
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -36,7 +38,7 @@ class MuseSparkConfig(PreTrainedConfig):
     sliding_window (`int`): tokens a sliding-window layer attends to (itself included).
     """
 
-    model_type = "muse_spark"
+    model_type = MODEL_TYPE
     keys_to_ignore_at_inference = ["past_key_values"]
     attribute_map = {"num_local_experts": "num_experts"}
 

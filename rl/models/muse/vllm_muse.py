@@ -1,4 +1,6 @@
-"""Muse Spark Open's text decoder in vLLM (0.26 and 0.30), the rollout side of rl/models/muse.
+"""Muse Spark Open's text decoder in vLLM (0.26 and 0.30), the rollout side of modeling_muse.py. vLLM's
+processes import it through the plugin (rl.models.register_vllm_models), so the driver and the trainer never
+load vLLM through it.
 
 Follows vLLM's qwen3_moe.py: parallel linear layers, a fused MoE (`experts`) fed the router logits we
 compute, so vLLM's router inside it picks the top-k and the routed-experts capture (R3) records it, and
@@ -46,13 +48,13 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from rl.compat import vllm_fused_moe_factory
+from rl.core.compat import vllm_fused_moe_factory
 
 logger = init_logger(__name__)
 
 SLIDING = "sliding_attention"
 # Checkpoint prefixes of the multimodal encoders (vision tower, audio encoder, their projectors): the
-# rollout generates text only, so their weights are skipped. Same rule as rl/models/muse/modeling_muse.py.
+# rollout generates text only, so their weights are skipped. Same rule as modeling_muse.py.
 ENCODER_PREFIXES = ("vision", "visual", "audio", "multi_modal", "mm_")
 
 
