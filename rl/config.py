@@ -115,9 +115,9 @@ class RolloutConfig:
         0,
         "Adapter versions a batch may lag the update it trains (0 = synchronous). k > 0: the next k batches "
         "are generated while the trainer updates, batch j by adapter j-1-k; the trainer scores each with "
-        "its generating version for the on-policy check (split placement on GPUs). Pair it with "
-        "algorithm.rollout_correction (e.g. tis_cap=2), which weighs the lag too: without, the CPU demo "
-        "stopped learning (docs/benchmarks.md).",
+        "its generating version for the on-policy check (split placement on GPUs). The lag is weighed by "
+        "algorithm.rollout_correction (mode auto: TIS cap 2 and MIS bounds [0.5, 2] unless caps are named; "
+        "without a correction the CPU demo stopped learning, docs/benchmarks.md).",
         ge=0,
     )
     enable_prefix_caching: bool = _f(True, "Reuse the KV cache of a shared prompt across its n samples.")
@@ -133,7 +133,17 @@ class RolloutConfig:
     )
 
 
-AUTO_TIS_CAP = 2.0  # mode auto's TIS cap when the batch lags the update (rollout.max_staleness > 0)
+class RolloutCaps(typing.NamedTuple):
+    """The correction a run applies: the TIS cap and the MIS bounds, each 0 = off."""
+
+    tis_cap: float
+    mis_low: float
+    mis_high: float
+
+
+# Mode auto's correction when the batch lags the update (rollout.max_staleness > 0): each token weighed by
+# min(current / rollout probability, 2), the tokens whose probability has since halved or doubled dropped.
+AUTO_CORRECTION = RolloutCaps(tis_cap=2.0, mis_low=0.5, mis_high=2.0)
 
 
 @dataclass
@@ -143,9 +153,10 @@ class RolloutCorrectionConfig:
 
     mode: str = _f(
         "auto",
-        "auto: the caps below as given; with none of them set and `rollout.max_staleness` > 0, truncated "
-        f"importance sampling with cap {AUTO_TIS_CAP:g} (the asynchronous CPU demo learned nothing without "
-        "it). none: no correction at any staleness (the caps must stay 0).",
+        "auto: the caps below as given; with none of them set and `rollout.max_staleness` > 0, "
+        f"tis_cap={AUTO_CORRECTION.tis_cap:g}, mis_low={AUTO_CORRECTION.mis_low:g}, "
+        f"mis_high={AUTO_CORRECTION.mis_high:g} (the asynchronous CPU demo learned little and unsteadily "
+        "without a correction). none: no correction at any staleness (the caps must stay 0).",
         ("auto", "none"),
     )
     tis_cap: float = _f(
@@ -163,24 +174,16 @@ class RolloutCorrectionConfig:
     )
 
 
-class RolloutCaps(typing.NamedTuple):
-    """The correction a run applies: the TIS cap and the MIS bounds, each 0 = off."""
-
-    tis_cap: float
-    mis_low: float
-    mis_high: float
-
-
 def rollout_correction_caps(cfg: "SparkConfig") -> RolloutCaps:
     """The correction that `algorithm.rollout_correction` asks for at `rollout.max_staleness`: the caps as
-    given; under mode auto with none given and staleness > 0, TIS capped at AUTO_TIS_CAP; under mode none,
-    nothing. Synchronous runs (staleness 0) get exactly the caps given."""
+    given; under mode auto with none given and staleness > 0, AUTO_CORRECTION; under mode none, nothing.
+    Synchronous runs (staleness 0) get exactly the caps given."""
     rc = cfg.algorithm.rollout_correction
     if rc.mode == "none":
         return RolloutCaps(0.0, 0.0, 0.0)
     given = RolloutCaps(float(rc.tis_cap), float(rc.mis_low), float(rc.mis_high))
     if cfg.rollout.max_staleness > 0 and not any(given):
-        return RolloutCaps(AUTO_TIS_CAP, 0.0, 0.0)
+        return AUTO_CORRECTION
     return given
 
 

@@ -693,11 +693,13 @@ def staleness_notice(cfg) -> str | None:
     if rc.mode == "none":
         return (
             f"[yellow]rollout.max_staleness={k} with algorithm.rollout_correction.mode=none: the update weighs "
-            "tokens an older adapter sampled as its own (the CPU demo learned nothing so); mode=auto weighs "
-            "them by current / rollout probability, capped"
+            "tokens an older adapter sampled as its own (the CPU demo learned little so, and unsteadily); "
+            "mode=auto weighs them by current / rollout probability and drops the outliers"
         )
+    tis, low, high = rollout_correction_caps(cfg)
     return (
-        f"rollout.max_staleness={k}: algorithm.rollout_correction.mode=auto applies "
-        f"tis_cap={rollout_correction_caps(cfg).tis_cap:g}, weighing tokens an older adapter sampled by "
-        "current / rollout probability (mode=none turns it off)"
+        f"rollout.max_staleness={k}: algorithm.rollout_correction.mode=auto applies tis_cap={tis:g}, "
+        f"mis_low={low:g}, mis_high={high:g}: tokens an older adapter sampled are weighed by current / rollout "
+        f"probability (at most {tis:g}), those whose probability has since fallen below {low:g}x or risen above "
+        f"{high:g}x dropped (mode=none turns it off)"
     )

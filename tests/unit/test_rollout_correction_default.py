@@ -1,11 +1,12 @@
 """algorithm.rollout_correction.mode: with rollout.max_staleness > 0 and no cap named, the run weighs the lag
-with TIS (cap AUTO_TIS_CAP); `none` opts out; synchronous runs get exactly the caps given."""
+with AUTO_CORRECTION (TIS capped at 2, MIS bounds 0.5 and 2); `none` opts out; synchronous runs get exactly the
+caps given."""
 
 import math
 
 import pytest
 
-from rl.config import AUTO_TIS_CAP, ConfigError, RolloutCaps, load_config, rollout_correction_caps
+from rl.config import AUTO_CORRECTION, ConfigError, RolloutCaps, load_config, rollout_correction_caps
 
 
 def _cfg(*overrides):
@@ -19,10 +20,10 @@ def test_auto_is_the_default_and_applies_nothing_to_a_synchronous_run():
     assert rollout_correction_caps(cfg) == RolloutCaps(0.0, 0.0, 0.0)
 
 
-def test_auto_applies_tis_when_the_batch_lags():
-    assert AUTO_TIS_CAP == 2.0
+def test_auto_applies_tis_and_mis_when_the_batch_lags():
+    assert AUTO_CORRECTION == RolloutCaps(tis_cap=2.0, mis_low=0.5, mis_high=2.0)
     for k in (1, 2):
-        assert rollout_correction_caps(_cfg(f"rollout.max_staleness={k}")) == RolloutCaps(2.0, 0.0, 0.0)
+        assert rollout_correction_caps(_cfg(f"rollout.max_staleness={k}")) == RolloutCaps(2.0, 0.5, 2.0)
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
@@ -60,11 +61,11 @@ def test_none_with_a_cap_is_an_error_naming_the_keys():
         _cfg("algorithm.rollout_correction.mode=explicit")
 
 
-def test_the_trainer_spec_of_an_asynchronous_demo_carries_the_tis_cap():
+def test_the_trainer_spec_of_an_asynchronous_demo_carries_the_correction():
     from rl.setup import trainer_spec
 
     algo = trainer_spec(_cfg("rollout.max_staleness=1"), "model").algo
-    assert (algo.tis_cap, algo.mis_token_bounds, algo.mis_seq_bounds) == (2.0, None, None)
+    assert (algo.tis_cap, algo.mis_token_bounds, algo.mis_seq_bounds) == (2.0, (0.5, 2.0), None)
     assert algo.corrects_rollout
     off = trainer_spec(
         _cfg("rollout.max_staleness=1", "algorithm.rollout_correction.mode=none"), "model"
@@ -89,8 +90,9 @@ def test_the_run_says_which_correction_it_applies_before_it_starts():
     assert staleness_notice(_cfg("algorithm.rollout_correction.mode=none")) is None
     auto = staleness_notice(_cfg("rollout.max_staleness=1"))
     assert auto == (
-        "rollout.max_staleness=1: algorithm.rollout_correction.mode=auto applies tis_cap=2, weighing tokens an "
-        "older adapter sampled by current / rollout probability (mode=none turns it off)"
+        "rollout.max_staleness=1: algorithm.rollout_correction.mode=auto applies tis_cap=2, mis_low=0.5, "
+        "mis_high=2: tokens an older adapter sampled are weighed by current / rollout probability (at most 2), "
+        "those whose probability has since fallen below 0.5x or risen above 2x dropped (mode=none turns it off)"
     )
     off = staleness_notice(_cfg("rollout.max_staleness=2", "algorithm.rollout_correction.mode=none"))
     assert off.startswith("[yellow]rollout.max_staleness=2 with algorithm.rollout_correction.mode=none")
