@@ -155,7 +155,7 @@ class RolloutCorrectionConfig:
         "auto",
         "auto: the caps below as given; with none of them set and `rollout.max_staleness` > 0, "
         f"tis_cap={AUTO_CORRECTION.tis_cap:g}, mis_low={AUTO_CORRECTION.mis_low:g}, "
-        f"mis_high={AUTO_CORRECTION.mis_high:g} (the asynchronous CPU demo learned little and unsteadily "
+        f"mis_high={AUTO_CORRECTION.mis_high:g} (the asynchronous CPU demo collapsed "
         "without a correction). none: no correction at any staleness (the caps must stay 0).",
         ("auto", "none"),
     )

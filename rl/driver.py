@@ -693,7 +693,7 @@ def staleness_notice(cfg) -> str | None:
     if rc.mode == "none":
         return (
             f"[yellow]rollout.max_staleness={k} with algorithm.rollout_correction.mode=none: the update weighs "
-            "tokens an older adapter sampled as its own (the CPU demo learned little so, and unsteadily); "
+            "tokens an older adapter sampled as its own (the CPU demo collapsed so); "
             "mode=auto weighs them by current / rollout probability and drops the outliers"
         )
     tis, low, high = rollout_correction_caps(cfg)
