@@ -26,6 +26,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from rl.metrics import read_metrics
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^step_(\d+)\.tmp$")
 # A checkpoint being replaced by a new save of its step: renamed to this, the new one renamed into place,
@@ -162,7 +164,7 @@ class Checkpoints:
                 break
             damaged.append((path, problem))
         if chosen is None:
-            recorded = _recorded_steps(self.run_dir)
+            recorded = len(read_metrics(self.run_dir))
             if damaged or recorded:
                 raise NoCheckpointToResume(self._nothing_to_resume(damaged, recorded))
             return None
@@ -259,13 +261,6 @@ class Checkpoints:
         (dest / WHY).write_text(why + "\n")
         self.report(f"checkpoint: moved {path.name} aside to {dest}: {why}")
         return dest
-
-
-def _recorded_steps(run_dir: Path) -> int:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    return sum(1 for line in path.read_text().splitlines() if line.strip())
 
 
 def save_checkpoint(

@@ -28,7 +28,6 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rl.metrics import check_trackers
     from rl.preflight import preflight
     from rl.target import absolute_run_dir, load_target
 
@@ -37,7 +36,6 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         _check_resume_config(cfg, rdir)
     preflight(cfg)
-    check_trackers(cfg.logging)
     print(f"run: {rdir}", flush=True)
     from rl.driver import StoppedAtOnce, train
 

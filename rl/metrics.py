@@ -33,6 +33,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from rl.rollout_records import clip_text
+
 # Shown in the console table, in this order, when present.
 CONSOLE_KEYS = (
     "reward/mean",
@@ -108,13 +110,6 @@ def tracker_problems(logging_cfg) -> list[str]:
     ]
 
 
-def check_trackers(logging_cfg) -> None:
-    """Raise TrackerMissing (a ValueError: the CLI prints it as one line) listing `tracker_problems`."""
-    problems = tracker_problems(logging_cfg)
-    if problems:
-        raise TrackerMissing("\n".join(problems))
-
-
 def _import_tracker(key: str):
     _, module, package = next(t for t in _TRACKERS if t[0] == key)
     try:
@@ -171,16 +166,6 @@ def best_and_worst(rows: list[dict], n: int) -> list[dict]:
     return [rows[i] for i in best + worst]
 
 
-def clip(text, max_chars: int) -> str:
-    """`text` (made a string) whole, or its start and end around `[... N cut ...]`: a math response's
-    answer is at its end."""
-    text = "" if text is None else str(text)
-    if len(text) <= max_chars:
-        return text
-    head = max_chars // 2
-    return f"{text[:head]}[... {len(text) - max_chars} cut ...]{text[len(text) - (max_chars - head) :]}"
-
-
 def tracker_rows(rows: list[dict]) -> list[dict]:
     """The rows a step sends to the trackers: `best_and_worst` TRACKER_ROWS, texts cut, the columns of
     ROLLOUT_COLUMNS in that order (a missing key is None)."""
@@ -188,9 +173,9 @@ def tracker_rows(rows: list[dict]) -> list[dict]:
     for row in best_and_worst(rows, TRACKER_ROWS):
         r = {c: row.get(c) for c in ROLLOUT_COLUMNS}
         for c in ("prompt", "response"):
-            r[c] = clip(r[c], TRACKER_TEXT_CHARS)
+            r[c] = clip_text(r[c], TRACKER_TEXT_CHARS)
         for c in ("pred", "ground_truth"):
-            r[c] = None if r[c] is None else clip(r[c], _SHORT_TEXT_CHARS)
+            r[c] = None if r[c] is None else clip_text(r[c], _SHORT_TEXT_CHARS)
         out.append(r)
     return out
 
@@ -233,7 +218,7 @@ class MetricsLogger:
     ):
         """config: the run's config as a nested dict (`dataclasses.asdict(cfg)`), for W&B's config and
         MLflow's params. A tracker whose key is set but whose package is missing raises TrackerMissing
-        here (`check_trackers` says so before Ray starts)."""
+        here (the preflight says so first, before Ray starts: `tracker_problems`)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.console_every = console_every
         self.console = console or Console()

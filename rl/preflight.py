@@ -24,6 +24,7 @@ from typing import Any
 
 from rl.config import SparkConfig
 from rl.core.model_info import is_moe
+from rl.metrics import tracker_problems
 from rl.models import registry
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -385,6 +386,7 @@ def preflight(
     check_adapter("--adapter", adapter, problems)
     if train:
         check_data("data.train", cfg.data.train, problems, hub)
+        problems += tracker_problems(cfg.logging)  # a tracker turned on whose package is missing
     if evaluate is None:
         evaluate = cfg.eval.every > 0
     if evaluate and cfg.eval.data:

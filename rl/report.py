@@ -17,8 +17,9 @@ from pathlib import Path
 
 import yaml
 
-from rl.metrics import best_and_worst, clip, read_metrics
+from rl.metrics import best_and_worst, read_metrics
 from rl.monitor import KLMonitor
+from rl.rollout_records import clip_text
 
 PLOTS = [
     ("reward", "reward/mean", "reward (mean)", False),
@@ -239,7 +240,7 @@ def _facts(row: dict) -> str:
         v = row.get(key)
         return format(v, fmt) if isinstance(v, int | float) and not isinstance(v, bool) else "-"
 
-    one_line = {k: clip(row.get(k), 80).replace("\n", " ") for k in ("pred", "ground_truth")}
+    one_line = {k: clip_text(row.get(k), 80).replace("\n", " ") for k in ("pred", "ground_truth")}
     acc = row.get("acc")
     return (
         f"reward {num('reward', '.3g')}, acc {'-' if acc is None else int(acc)}, pred `{one_line['pred']}`, "
@@ -266,8 +267,8 @@ def rollout_section(runs: list[dict]) -> list[str]:
             lines += ["", f"**step {step}**: {len(rows)} samples kept{mean}; the best and the worst:", ""]
             for row in best_and_worst(rows, ROLLOUT_SAMPLES):
                 text = (
-                    f"prompt: {clip(row.get('prompt'), ROLLOUT_PROMPT_CHARS)}\n"
-                    f"response: {clip(row.get('response'), ROLLOUT_RESPONSE_CHARS)}"
+                    f"prompt: {clip_text(row.get('prompt'), ROLLOUT_PROMPT_CHARS)}\n"
+                    f"response: {clip_text(row.get('response'), ROLLOUT_RESPONSE_CHARS)}"
                 )
                 lines += [f"- {_facts(row)}", "", *_fenced(text), ""]
     if not lines:

@@ -44,14 +44,16 @@ def rollouts_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "rollouts" / f"step_{step}.jsonl"
 
 
-def clip_text(text: str, max_chars: int) -> str:
-    """`text` whole, or its start and end around `[... N characters cut ...]` when it is longer than
-    `max_chars` (0 = no limit)."""
+def clip_text(text, max_chars: int) -> str:
+    """`text` (made a string; None as "") whole, or its start and end around `[... N cut ...]` when it is
+    longer than `max_chars` (0 = no limit): a math response's answer is at its end. The one cut for the
+    rollout files, the trackers' tables and the report."""
+    text = "" if text is None else str(text)
     if max_chars <= 0 or len(text) <= max_chars:
         return text
     head = max_chars // 2
     tail = max_chars - head
-    return f"{text[:head]}[... {len(text) - max_chars} characters cut ...]{text[-tail:]}"
+    return f"{text[:head]}[... {len(text) - max_chars} cut ...]{text[-tail:]}"
 
 
 def whole_groups(samples: Sequence[Sample], limit: int) -> list[int]:

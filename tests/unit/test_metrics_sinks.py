@@ -19,7 +19,6 @@ from rl.metrics import (
     TRACKER_ROWS,
     MetricsLogger,
     TrackerMissing,
-    check_trackers,
     mlflow_key,
     tracker_problems,
 )
@@ -132,8 +131,14 @@ def test_a_tracker_without_its_package_is_one_line_naming_the_key(tmp_path, monk
         "(or set logging.mlflow_tracking_uri= to turn it off)",
     ]
     assert tracker_problems(LoggingConfig()) == []
-    with pytest.raises(TrackerMissing, match=r"^logging\.mlflow_tracking_uri is set .* pip install mlflow"):
-        check_trackers(LoggingConfig(mlflow_tracking_uri="http://host:5000"))
+    from rl.config import load_config
+    from rl.preflight import PreflightError, preflight
+
+    cfg = load_config("demo_cpu", ["run.name=t", "logging.mlflow_tracking_uri=http://host:5000"])
+    with pytest.raises(
+        PreflightError, match=r"(?m)^logging\.mlflow_tracking_uri is set .* pip install mlflow"
+    ):
+        preflight(cfg)  # before Ray starts
     with pytest.raises(TrackerMissing) as e:
         MetricsLogger(tmp_path, 2, tensorboard=False, mlflow_tracking_uri="http://host:5000")
     assert "\n" not in str(e.value) and "logging.mlflow_tracking_uri" in str(e.value)
