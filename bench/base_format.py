@@ -187,6 +187,7 @@ def rollout_samples(model: dict, args, stage_root: Path) -> tuple[list, str]:
     from transformers import AutoTokenizer
 
     from rl.data.arith import ArithSpec, make_rows
+    from rollout.config import RolloutConfig
     from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
     from rollout.worker import RolloutWorker
 
@@ -195,12 +196,14 @@ def rollout_samples(model: dict, args, stage_root: Path) -> tuple[list, str]:
         model_path=model[weights],
         dtype="bfloat16" if torch.cuda.is_available() else "float32",
         max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_mem,
-        enforce_eager=True,
-        max_num_seqs=64,
         seed=0,
-        cpu_kvcache_gb=0 if torch.cuda.is_available() else 2,
         return_routed_experts=True,
+        rollout=RolloutConfig(
+            gpu_memory_utilization=args.gpu_mem,
+            enforce_eager=True,
+            max_num_seqs=64,
+            cpu_kvcache_gb=0 if torch.cuda.is_available() else 2,
+        ),
     )
     tok = AutoTokenizer.from_pretrained(model["nvfp4"])
     spec_arith = ArithSpec(num_terms=2, max_operand=model["spec"]["max_operand"], ops="+-")

@@ -26,6 +26,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rl.core.options import Registered
 from rl.core.options import option as _f
+from rollout.config import RolloutConfig
 from trainer.config import LoraConfig, TrainerConfig
 
 # ----------------------------------------------------------------------------------------------------
@@ -69,68 +70,6 @@ class ModelConfig:
     dtype: str = _f("bfloat16", "Dtype of the frozen base weights on both sides.", ("bfloat16", "float32"))
     trust_remote_code: bool = _f(False, "Allow model code shipped with the checkpoint (transformers, vLLM).")
     make_tiny: MakeTinyConfig = _f(MakeTinyConfig, "Tiny model built on the fly (CPU demo and tests).")
-
-
-@dataclass
-class RolloutConfig:
-    """The vLLM rollout workers."""
-
-    n: int = _f(8, "Samples per prompt (the GRPO group size).", ge=1)
-    temperature: float = _f(1.0, "Sampling temperature.", gt=0)
-    top_p: float = _f(1.0, "Nucleus sampling threshold (1.0 = off).", gt=0, le=1)
-    max_prompt_len: int = _f(
-        2048, "Longest prompt in tokens; longer prompts are dropped from the data.", ge=1
-    )
-    max_response_len: int = _f(4096, "Most tokens generated for one response.", ge=1)
-    num_workers: int = _f(1, "Rollout engines (vLLM instances).", ge=1)
-    tensor_parallel_size: int = _f(1, "GPUs per rollout engine.", ge=1)
-    gpu_memory_utilization: float = _f(
-        0.5, "Fraction of each GPU's memory vLLM may take (weights and KV cache).", gt=0, le=1
-    )
-    max_model_len: int = _f(
-        0,
-        "vLLM context length (0 = max_prompt_len + the longer of max_response_len and "
-        "`eval.max_response_len`).",
-        ge=0,
-    )
-    enforce_eager: bool = _f(False, "Disable CUDA graphs (faster start, slower decode).")
-    max_num_seqs: int = _f(256, "Most sequences a vLLM engine decodes at once.", ge=1)
-    seed: int = _f("${run.seed}", "Sampling seed.")
-    seed_scope: str = _f(
-        "sample",
-        "sample: a seed per sample, reproducible whatever the batching, a resumed run included (vLLM draws "
-        "seeded noise one request at a time: the largest host cost of a big decode batch); engine: the "
-        "engine's generator, one draw per step, samples not reproducible.",
-        Registered("rollout.spec", "SEED_SCOPES"),
-    )
-    cpu_kvcache_gb: float = _f(
-        0.0, "KV cache size in GiB on the vLLM CPU backend (0 = vLLM's default).", ge=0
-    )
-    placement: str = _f(
-        "colocated",
-        "Share GPUs with the trainer (colocated) or use GPUs of their own (split).",
-        ("colocated", "split"),
-    )
-    max_staleness: int = _f(
-        0,
-        "Adapter versions a batch may lag the update it trains (0 = synchronous). k > 0: the next k batches "
-        "are generated while the trainer updates, batch j by adapter j-1-k; the trainer scores each with "
-        "its generating version for the on-policy check (split placement on GPUs). The lag is weighed by "
-        "algorithm.rollout_correction (mode auto: TIS cap 2 and MIS bounds [0.5, 2] unless caps are named; "
-        "without a correction the CPU demo stopped learning, docs/benchmarks.md).",
-        ge=0,
-    )
-    enable_prefix_caching: bool = _f(True, "Reuse the KV cache of a shared prompt across its n samples.")
-    moe_backend: str = _f(
-        "auto",
-        "MoE kernel for quantized experts (marlin: weight-only FP4 on Hopper).",
-        Registered("rollout.spec", "MOE_BACKENDS"),
-    )
-    engine_args: dict[str, Any] = _f(
-        {},
-        "Further `vllm.LLM` keyword arguments, passed as they are and over the ones sparkrl sets, e.g. "
-        "`{compilation_config: {cudagraph_mode: FULL_DECODE_ONLY}}` or `{max_num_batched_tokens: 8192}`.",
-    )
 
 
 class RolloutCaps(typing.NamedTuple):

@@ -246,7 +246,8 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
 
 
 def engine_spec(cfg: SparkConfig, model_path: str):
-    """The rollout engines' spec (`rollout.spec.EngineSpec`); `model_path` is the resolved rollout weights.
+    """The rollout engines' spec (`rollout.spec.EngineSpec`): the `rollout:` section as it is, and what the run
+    resolves around it; `model_path` is the resolved rollout weights.
 
     Sleep mode follows placement (colocated shares GPUs with the trainer) and only applies with GPUs;
     LoRA is on in adapter sync mode, off in merged mode (the merged weights carry the update).
@@ -258,24 +259,17 @@ def engine_spec(cfg: SparkConfig, model_path: str):
     on_gpu = cfg.resources.num_gpus > 0
     return EngineSpec(
         model_path=model_path,
+        rollout=copy.deepcopy(ro),
         dtype=cfg.model.dtype,
         max_model_len=max_len,
-        gpu_memory_utilization=ro.gpu_memory_utilization,
-        enforce_eager=ro.enforce_eager,
-        max_num_seqs=ro.max_num_seqs,
         seed=ro.seed,
-        cpu_kvcache_gb=ro.cpu_kvcache_gb,
-        tensor_parallel_size=ro.tensor_parallel_size,
         enable_lora=cfg.sync.mode == "adapter",
         max_lora_rank=cfg.lora.rank,
         lora_experts_stacked=cfg.sync.expert_layout == "stacked",
         return_routed_experts=cfg.r3.enabled,
         routing_by_reference=cfg.r3.enabled,
         enable_sleep_mode=on_gpu and ro.placement == "colocated",
-        moe_backend=ro.moe_backend,
-        enable_prefix_caching=ro.enable_prefix_caching,
         trust_remote_code=cfg.model.trust_remote_code,
-        extra_engine_args=copy.deepcopy(dict(ro.engine_args)),
     )
 
 

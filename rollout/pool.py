@@ -90,7 +90,7 @@ class RolloutPool:
         options: dict[str, Any] = {"num_cpus": 1}
         if ray.cluster_resources().get("GPU", 0) > 0:
             share = 0.5 if spec.enable_sleep_mode else 1.0
-            options["num_gpus"] = spec.tensor_parallel_size * share
+            options["num_gpus"] = spec.rollout.tensor_parallel_size * share
         return options
 
     def engine_bundles(self, i: int) -> EngineBundles | None:

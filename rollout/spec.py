@@ -1,4 +1,5 @@
-"""What the driver hands the rollout side: engine settings, sampling settings and prompts.
+"""What the driver hands the rollout side: the engine (its config section and what the run resolved), sampling
+settings and prompts.
 
 Plain dataclasses (no vLLM import) so that the driver can build them without loading vLLM and they cross
 Ray process boundaries cheaply.
@@ -7,25 +8,21 @@ Ray process boundaries cheaply.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-MOE_BACKENDS = ("auto", "marlin")
-SEED_SCOPES = ("sample", "engine")
+from rollout.config import MOE_BACKENDS, SEED_SCOPES, RolloutConfig
 
 
 @dataclass
 class EngineSpec:
-    """Settings of one vLLM engine; each maps to one `vllm.LLM` argument unless said otherwise."""
+    """One vLLM engine: the `rollout:` section as it is (its engine keys map to `vllm.LLM` arguments in
+    rollout/worker.py) and what the run resolved around it (the weights, the context length, the seed, LoRA,
+    R3, sleep mode)."""
 
     model_path: str
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     dtype: str = "bfloat16"
     max_model_len: int = 0  # 0 = the model's own context length
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = False
-    max_num_seqs: int = 256
-    seed: int = 0
-    cpu_kvcache_gb: float = 0.0  # vLLM CPU backend only (VLLM_CPU_KVCACHE_SPACE); 0 = vLLM's default
-    tensor_parallel_size: int = 1
+    seed: int = 0  # rollout.seed resolved (its default interpolates run.seed)
     enable_lora: bool = False
     max_lora_rank: int = 16
     # Expert LoRA shipped in PEFT's stacked 3D layout, which vLLM splits per expert itself (4 tensors per
@@ -40,24 +37,19 @@ class EngineSpec:
     # carries the reference (Sample.routing_ref), not the array; needs the worker to run in Ray
     routing_by_reference: bool = False
     enable_sleep_mode: bool = False  # colocated placement: free the GPU while the trainer runs
-    moe_backend: str = "auto"  # "marlin" pins weight-only FP4 experts to Marlin
-    enable_prefix_caching: bool = True
     # LoRA on a Hopper GPU: the single-slice lora_expand kernel's N block (vLLM's 128 gives NaN on sm90);
     # 0 leaves vLLM's configs. Not a `vllm.LLM` argument: vLLM's tuned-config folder (rollout/lora_kernels.py).
     hopper_lora_expand_block_n: int = 32
     trust_remote_code: bool = False
-    # Further `vllm.LLM` keyword arguments, passed as they are over the ones above (`rollout.engine_args`).
-    extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
+        ro = self.rollout
         if not self.model_path:
             raise ValueError("EngineSpec.model_path is empty")
-        if self.moe_backend not in MOE_BACKENDS:
-            raise ValueError(
-                f"EngineSpec.moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}"
-            )
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"EngineSpec.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if ro.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"rollout.moe_backend must be one of {MOE_BACKENDS}, got {ro.moe_backend!r}")
+        if ro.tensor_parallel_size < 1:
+            raise ValueError(f"rollout.tensor_parallel_size must be >= 1, got {ro.tensor_parallel_size}")
         if self.hopper_lora_expand_block_n < 0:
             raise ValueError(
                 f"EngineSpec.hopper_lora_expand_block_n must be >= 0, got {self.hopper_lora_expand_block_n}"

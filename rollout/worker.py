@@ -85,7 +85,7 @@ def in_process(spec: EngineSpec, bundles: EngineBundles | None) -> bool:
     (a test, a benchmark), whose later children would inherit the pinning, so those keep the separate
     processes. On GPU the separate engine core overlaps scheduling with the frontend, and tensor
     parallelism needs its workers: both keep vLLM's default."""
-    if bundles is not None or spec.tensor_parallel_size != 1 or torch.cuda.is_available():
+    if bundles is not None or spec.rollout.tensor_parallel_size != 1 or torch.cuda.is_available():
         return False
     import ray
 
@@ -99,11 +99,11 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | No
         model=spec.model_path,
         dtype=spec.dtype,
         seed=spec.seed,
-        gpu_memory_utilization=spec.gpu_memory_utilization,
-        enforce_eager=spec.enforce_eager,
-        max_num_seqs=spec.max_num_seqs,
-        tensor_parallel_size=spec.tensor_parallel_size,
-        enable_prefix_caching=spec.enable_prefix_caching,
+        gpu_memory_utilization=spec.rollout.gpu_memory_utilization,
+        enforce_eager=spec.rollout.enforce_eager,
+        max_num_seqs=spec.rollout.max_num_seqs,
+        tensor_parallel_size=spec.rollout.tensor_parallel_size,
+        enable_prefix_caching=spec.rollout.enable_prefix_caching,
         trust_remote_code=spec.trust_remote_code,
         # The sampled token's log-prob after temperature / top-k / top-p: what the sampler drew from.
         logprobs_mode="processed_logprobs",
@@ -112,13 +112,13 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | No
     if spec.max_model_len:
         kw["max_model_len"] = spec.max_model_len
     if bundles is not None:
-        if len(bundles.bundle_indices) != spec.tensor_parallel_size:
+        if len(bundles.bundle_indices) != spec.rollout.tensor_parallel_size:
             raise ValueError(
                 f"EngineBundles: {len(bundles.bundle_indices)} bundles for tensor_parallel_size "
-                f"{spec.tensor_parallel_size}; one bundle a TP rank"
+                f"{spec.rollout.tensor_parallel_size}; one bundle a TP rank"
             )
         kw["distributed_executor_backend"] = "ray"
-    elif spec.tensor_parallel_size > 1:
+    elif spec.rollout.tensor_parallel_size > 1:
         # The actor holds the engine's GPUs: TP ranks as its child processes. Left to itself, vLLM picks
         # its Ray executor inside any placement group, which refuses bundles of more than one GPU.
         kw["distributed_executor_backend"] = "mp"
@@ -144,14 +144,14 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | No
             kw["scheduler_cls"] = SCHEDULER
     if spec.enable_sleep_mode:
         kw["enable_sleep_mode"] = True
-    backend = spec.moe_backend
+    backend = spec.rollout.moe_backend
     # NVFP4 experts with LoRA: vLLM's MoE-LoRA path works with Marlin's weight-only FP4 on Hopper;
     # "auto" may pick a kernel without LoRA support.
     if backend == "auto" and info.is_moe and info.quantization == "nvfp4" and spec.enable_lora:
         backend = "marlin"
     if backend != "auto":
         kw["moe_backend"] = backend
-    kw.update(spec.extra_engine_args)
+    kw.update(spec.rollout.engine_args)
     return kw
 
 
@@ -278,9 +278,9 @@ class RolloutWorker:
             del os.environ["CUDA_VISIBLE_DEVICES"]
         if spec.enable_sleep_mode and bundles is None and not _has_cuda():
             raise ValueError("EngineSpec.enable_sleep_mode needs a GPU (vLLM's sleep mode is CUDA/ROCm only)")
-        if spec.cpu_kvcache_gb:
+        if spec.rollout.cpu_kvcache_gb:
             # Read by vLLM's CPU backend in the engine process, which inherits this environment.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.cpu_kvcache_gb:g}"
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.rollout.cpu_kvcache_gb:g}"
         self.stage = StageDir(stage_root(stage))
         kwargs = engine_kwargs(spec, self.info, bundles)
         self.in_process = in_process(spec, bundles)

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # n
 
 from rl.config import load_config  # noqa: E402
 from rl.placement import create_placement  # noqa: E402
+from rollout.config import RolloutConfig  # noqa: E402
 from rollout.pool import RolloutPool  # noqa: E402
 from rollout.spec import EngineSpec  # noqa: E402
 from rollout.worker import engine_env  # noqa: E402
@@ -125,7 +126,9 @@ def _bundle_nodes(pg) -> dict[int, str]:
 
 def _pool(cfg, place):
     return RolloutPool(
-        EngineSpec(model_path="unused", tensor_parallel_size=cfg.rollout.tensor_parallel_size),
+        EngineSpec(
+            model_path="unused", rollout=RolloutConfig(tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+        ),
         cfg.rollout.num_workers,
         "unused",
         placement_group=place.placement_group,

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rl.tiny import make_tiny
+from rollout.config import RolloutConfig
 from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -27,14 +28,12 @@ def _spec(path, **kw):
         model_path=str(path),
         dtype="bfloat16",
         max_model_len=512,
-        gpu_memory_utilization=0.25,
-        enforce_eager=True,
-        max_num_seqs=32,
         enable_lora=True,
         max_lora_rank=8,
         return_routed_experts=True,
         seed=0,
         **kw,
+        rollout=RolloutConfig(gpu_memory_utilization=0.25, enforce_eager=True, max_num_seqs=32),
     )
 
 

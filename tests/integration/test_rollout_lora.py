@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rl.tiny import make_tiny
+from rollout.config import RolloutConfig
 from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
 
 pytestmark = pytest.mark.slow
@@ -33,12 +34,10 @@ def worker(dense_path, tmp_path_factory):
         model_path=str(dense_path),
         dtype="float32",
         max_model_len=256,
-        enforce_eager=True,
-        cpu_kvcache_gb=1,
-        max_num_seqs=16,
         enable_lora=True,
         max_lora_rank=8,
         seed=0,
+        rollout=RolloutConfig(enforce_eager=True, cpu_kvcache_gb=1, max_num_seqs=16),
     )
     w = RolloutWorker(spec, tmp_path_factory.mktemp("stage"))
     yield w

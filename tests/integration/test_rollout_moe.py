@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rl.tiny import make_tiny
+from rollout.config import RolloutConfig
 from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
 
 pytestmark = pytest.mark.slow
@@ -33,12 +34,10 @@ def _spec(moe_path, dtype: str = "float32", routing_at_finish: bool = True) -> E
         model_path=str(moe_path),
         dtype=dtype,
         max_model_len=256,
-        enforce_eager=True,
-        cpu_kvcache_gb=1,
-        max_num_seqs=16,
         return_routed_experts=True,
         routing_at_finish=routing_at_finish,
         seed=0,
+        rollout=RolloutConfig(enforce_eager=True, cpu_kvcache_gb=1, max_num_seqs=16),
     )
 
 

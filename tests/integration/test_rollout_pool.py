@@ -19,6 +19,7 @@ import pytest
 import ray
 
 from rl.core.batch import Sample
+from rollout.config import RolloutConfig
 from rollout.pool import RolloutPool, split_by_group
 from rollout.spec import EngineSpec, PromptRequest, SamplingSpec
 
@@ -148,12 +149,10 @@ def test_engine_killed_mid_batch_is_recreated_and_the_batch_reproduced(tmp_path)
         model_path=str(path),
         dtype="float32",
         max_model_len=256,
-        enforce_eager=True,
-        cpu_kvcache_gb=1,
-        max_num_seqs=32,
         enable_lora=True,
         max_lora_rank=8,
         seed=0,
+        rollout=RolloutConfig(enforce_eager=True, cpu_kvcache_gb=1, max_num_seqs=32),
     )
     from rollout.worker import RolloutWorker
 

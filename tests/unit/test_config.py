@@ -311,14 +311,14 @@ def test_engine_args_reach_vllm_over_the_settings_sparkrl_makes(tmp_path):
         ["rollout.engine_args={compilation_config: {cudagraph_mode: FULL_DECODE_ONLY}, max_num_seqs: 7}"],
     )
     spec = engine_spec(cfg, "/m")
-    assert spec.extra_engine_args == {
+    assert spec.rollout.engine_args == {
         "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"},
         "max_num_seqs": 7,
     }
     kw = engine_kwargs(spec, ModelInfo(num_layers=2, num_experts=0, top_k=0, quantization=None))
     assert kw["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
     assert kw["max_num_seqs"] == 7  # over rollout.max_num_seqs
-    assert engine_spec(load_config(recipe(tmp_path)), "/m").extra_engine_args == {}
+    assert engine_spec(load_config(recipe(tmp_path)), "/m").rollout.engine_args == {}
 
 
 def test_choices_are_the_registries_names(tmp_path):

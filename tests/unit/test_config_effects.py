@@ -2,8 +2,9 @@
 or in the 8-GPU Qwen3 recipe, it changes a worker spec (trainer, rollout engine, sampling, GPU placement),
 or it is read by the driver (or planner) code named for it in DRIVER_READS (the test reads that code's source for the
 key's name: the driver's own behaviour has no spec to compare). The trainer's spec carries the `trainer:`
-and `lora:` sections whole, so for their keys being in the spec proves nothing: the trainer code must read
-the key (an attribute `trainer.<key>` / `lora.<key>`), or it must change another part of a spec (a derived
+and `lora:` sections whole and the engine's the `rollout:` section, so for their keys being in the spec
+proves nothing: the worker's code must read the key (an attribute `trainer.<key>` / `lora.<key>` /
+`rollout.<key>`), or it must change another part of a spec (a derived
 value, the placement), or the driver must read it. A key that does none of these does nothing, and this
 test fails on it."""
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import dataclasses
 import importlib
 import inspect
 import re
@@ -83,8 +83,9 @@ DRIVER_READS = {
 }
 
 
-# Config sections a worker spec carries whole (trainer.spec.TrainerSpec): section -> the package reading it.
-WHOLE_SECTIONS = {"trainer": "trainer", "lora": "trainer"}
+# Config sections a worker spec carries whole (trainer.spec.TrainerSpec, rollout.spec.EngineSpec): section ->
+# the package reading it.
+WHOLE_SECTIONS = {"trainer": "trainer", "lora": "trainer", "rollout": "rollout"}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -144,16 +145,19 @@ def _effects(cfg) -> dict:
         placement = (bundles, {k: v for k, v in vars(place).items() if k != "placement_group"})
     except ValueError as e:  # a layout the placement refuses: the refusal is the behaviour
         placement = str(e)
-    # The sections the trainer takes whole count by what the trainer code reads (WORKER_READS), not by
-    # being copied into its spec.
-    trainer = dataclasses.replace(trainer_spec(cfg, "/m"), **dict.fromkeys(WHOLE_SECTIONS))
+    # The sections a worker takes whole count by what its code reads (_worker_reads), not by being copied
+    # into its spec.
     return {
-        "trainer": trainer,
-        "engine": engine_spec(cfg, "/r"),
+        "trainer": _without_sections(trainer_spec(cfg, "/m")),
+        "engine": _without_sections(engine_spec(cfg, "/r")),
         "sampling": sampling_spec(cfg, 0),
         "eval_sampling": sampling_spec(cfg, 0, eval=True),
         "placement": placement,
     }
+
+
+def _without_sections(spec) -> dict:
+    return {k: v for k, v in vars(spec).items() if k not in WHOLE_SECTIONS}
 
 
 def _worker_reads(section: str, leaf: str) -> bool:

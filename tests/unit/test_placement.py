@@ -11,6 +11,7 @@ import torch
 from rl.config import load_config
 from rl.core.compat import vllm_ray_executor_env
 from rl.placement import COLOCATED_SHARE, engine_bundles, packed_node_sizes, plan_placement
+from rollout.config import RolloutConfig
 from rollout.spec import EngineBundles, EngineSpec
 from rollout.worker import ModelInfo, engine_kwargs
 
@@ -106,7 +107,7 @@ def test_an_engine_never_spans_nodes():
 
 
 def test_engine_arguments_follow_where_the_ranks_run():
-    spec = EngineSpec(model_path="m", tensor_parallel_size=2)
+    spec = EngineSpec(model_path="m", rollout=RolloutConfig(tensor_parallel_size=2))
     ray_kw = engine_kwargs(spec, MOE, EngineBundles([4, 5], 0.5))
     assert ray_kw["distributed_executor_backend"] == "ray" and ray_kw["tensor_parallel_size"] == 2
     # Bundles mean GPUs (rl.placement makes them for GPU runs only): not the CPU runner's whole-prefill

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from rollout.config import RolloutConfig
 from rollout.spec import EngineSpec, SamplingSpec
 from rollout.worker import (
     ModelInfo,
@@ -97,17 +98,19 @@ def test_engine_settings_pass_through():
         model_path="/m",
         dtype="float32",
         max_model_len=300,
-        gpu_memory_utilization=0.3,
-        enforce_eager=True,
-        max_num_seqs=7,
         seed=9,
-        tensor_parallel_size=2,
         enable_lora=True,
         max_lora_rank=12,
         return_routed_experts=True,
         enable_sleep_mode=True,
-        enable_prefix_caching=False,
-        extra_engine_args={"swap_space": 1},
+        rollout=RolloutConfig(
+            gpu_memory_utilization=0.3,
+            enforce_eager=True,
+            max_num_seqs=7,
+            tensor_parallel_size=2,
+            enable_prefix_caching=False,
+            engine_args={"swap_space": 1},
+        ),
     )
     kw = engine_kwargs(spec, MOE)
     # CPU generators cannot rewind after a chunked prefill (see engine_kwargs): whole prefills there.
@@ -159,9 +162,9 @@ def test_engine_runs_in_process_only_in_an_actor_of_its_own_on_cpu():
     assert engine_env(spec, None) == {}
     assert "distributed_executor_backend" not in engine_kwargs(spec, MOE)
     # TP ranks or placement-group bundles: never in process, whatever the process
-    assert not in_process(EngineSpec(model_path="/m", tensor_parallel_size=2), None)
+    assert not in_process(EngineSpec(model_path="/m", rollout=RolloutConfig(tensor_parallel_size=2)), None)
     assert (
-        engine_kwargs(EngineSpec(model_path="/m", tensor_parallel_size=2), MOE)[
+        engine_kwargs(EngineSpec(model_path="/m", rollout=RolloutConfig(tensor_parallel_size=2)), MOE)[
             "distributed_executor_backend"
         ]
         == "mp"
@@ -172,7 +175,12 @@ def test_marlin_is_pinned_for_nvfp4_experts_with_lora():
     assert engine_kwargs(EngineSpec(model_path="/m", enable_lora=True), NVFP4_MOE)["moe_backend"] == "marlin"
     assert "moe_backend" not in engine_kwargs(EngineSpec(model_path="/m", enable_lora=False), NVFP4_MOE)
     assert "moe_backend" not in engine_kwargs(EngineSpec(model_path="/m", enable_lora=True), MOE)
-    assert engine_kwargs(EngineSpec(model_path="/m", moe_backend="marlin"), MOE)["moe_backend"] == "marlin"
+    assert (
+        engine_kwargs(EngineSpec(model_path="/m", rollout=RolloutConfig(moe_backend="marlin")), MOE)[
+            "moe_backend"
+        ]
+        == "marlin"
+    )
 
 
 def test_quantization_is_read_from_the_checkpoint_config():
@@ -189,8 +197,8 @@ def test_quantization_is_read_from_the_checkpoint_config():
 
 
 def test_specs_reject_bad_values_by_name():
-    with pytest.raises(ValueError, match="EngineSpec.moe_backend"):
-        EngineSpec(model_path="/m", moe_backend="triton")
+    with pytest.raises(ValueError, match="rollout.moe_backend"):
+        EngineSpec(model_path="/m", rollout=RolloutConfig(moe_backend="triton"))
     with pytest.raises(ValueError, match="SamplingSpec.temperature"):
         SamplingSpec(temperature=0)
 
