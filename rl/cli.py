@@ -13,7 +13,14 @@ _MAY_CHANGE_ON_RESUME = ("trainer.total_steps", "run.dir")
 def _make_tiny(args: argparse.Namespace) -> int:
     from rl.tiny import make_tiny
 
-    path = make_tiny(args.arch, args.out, seed=args.seed, sft=args.sft)
+    if args.quantize:
+        from rl.quantize import quantized_copy
+        from rl.tiny import copy_model
+
+        path = quantized_copy(make_tiny(args.arch, seed=args.seed, sft=args.sft), args.quantize)
+        path = copy_model(path, args.out)
+    else:
+        path = make_tiny(args.arch, args.out, seed=args.seed, sft=args.sft)
     print(f"make-tiny: {args.arch} model{' (sft ' + args.sft + ')' if args.sft else ''} at {path}")
     report = path / "sft_report.json"
     if report.exists():
@@ -122,7 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sparkrl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("train", help="run GRPO: a recipe (or a run directory) plus key=value overrides")
+    p = sub.add_parser(
+        "train",
+        help="run GRPO: a recipe (or a run directory) plus key=value overrides",
+        description="Run GRPO with LoRA. Your own task: your dataset (JSON lines or parquet in verl's schema) in "
+        'data.train, your reward function in reward.function="path/to/reward.py:name" (verl\'s signature '
+        "name(data_source, solution_str, ground_truth, extra_info)), per data source in reward.by_source, your "
+        'loss in algorithm.policy_loss="file.py:name": docs/your_task.md, recipes/examples/equations.yaml.',
+    )
     p.add_argument("recipe", help="recipe YAML, shipped recipe name (demo_cpu), or a run directory")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.lr=1e-5")
     p.add_argument(
@@ -141,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["arith"],
         default=None,
         help="fine-tune on noisy arithmetic so held-out accuracy lands in 0.3-0.6 (cached)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["nvfp4"],
+        default=None,
+        help="write its weight-only NVFP4 copy instead (cached; vLLM serves it on GPUs only)",
     )
     p.set_defaults(func=_make_tiny)
 

@@ -24,6 +24,7 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from rl.core import user_code
 from rl.core.options import Registered
 from rl.core.options import option as _f
 from rollout.config import RolloutConfig
@@ -54,6 +55,12 @@ class MakeTinyConfig:
         "", "Supervised warm-up giving the tiny model a starting policy ('' = none).", ("", "arith")
     )
     seed: int = _f(0, "Seed of the tiny model's initialisation and warm-up.")
+    quantize: str = _f(
+        "",
+        "Train and serve its weight-only NVFP4 copy ('' = the BF16 model; nvfp4: the GPU demo: vLLM on CPU "
+        "has no NVFP4 kernel).",
+        ("", "nvfp4"),
+    )
 
 
 @dataclass
@@ -159,13 +166,19 @@ class AlgorithmConfig:
     adv_estimator: str = _f(
         "grpo",
         "Advantage estimator: grpo (group-centred rewards over the group's standard deviation), drgrpo "
-        "(group-centred, not divided), rloo (leave-one-out baseline).",
-        Registered("rl.core.algo", "ADV_ESTIMATORS"),
+        "(group-centred, not divided), rloo (leave-one-out baseline), or your own by import path "
+        "(`file.py:name`, `module:name`; a file relative to the recipe's directory) with verl's "
+        "`compute_*_advantage` signature `(token_level_rewards, response_mask, index, config) -> "
+        "(advantages, returns)`, called in the driver (docs/your_task.md).",
+        Registered("rl.core.algo", "ADV_ESTIMATORS", import_paths=True),
     )
     policy_loss: str = _f(
         "vanilla",
-        "Token-level clipped PPO (vanilla, also named ppo) or sequence-level ratio (gspo).",
-        Registered("rl.core.algo", "POLICY_LOSSES"),
+        "Token-level clipped PPO (vanilla, also named ppo), sequence-level ratio (gspo), or your own by "
+        "import path (`file.py:name`, `module:name`) with verl's PolicyLossFn signature `(old_log_prob, "
+        "log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights) -> (loss, "
+        "metrics)`, resolved in every trainer rank; its metrics are reported as token-weighted means.",
+        Registered("rl.core.algo", "POLICY_LOSSES", import_paths=True),
     )
     clip_ratio_low: float = _f(0.2, "Lower clip: ratio >= 1 - clip_ratio_low.", ge=0, le=1)
     clip_ratio_high: float = _f(0.28, "Upper clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher).", ge=0)
@@ -222,15 +235,57 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    """Scoring of responses against the ground truth."""
+    """Scoring of responses: a built-in math checker or a function of your own, per data source if need be
+    (docs/your_task.md). A response that cannot be scored (an exception, a timeout) scores -1 and is
+    counted in `reward/errors`."""
 
     backend: str = _f(
         "math_dapo",
-        "Verifier: DAPO's 'Answer:' line match, or math-verify.",
+        "Built-in checker, used where `reward.function` is empty: DAPO's 'Answer:' line match, or "
+        "math-verify. Both need `reward_model.ground_truth` to be a non-empty string.",
         Registered("rl.reward", "BACKENDS"),
     )
-    timeout_s: float = _f(10.0, "Seconds allowed to score one response (then reward 0).", gt=0)
+    function: str = _f(
+        "",
+        "Your reward function by import path, `path/to/file.py:name` (relative to the recipe's directory; "
+        "on the command line to the working directory) or `package.module:name`, with verl's signature "
+        "`name(data_source, solution_str, ground_truth, extra_info, **kwargs) -> float | dict` (a dict has "
+        "`score`, optionally `acc` and `pred`; its other numeric keys become `reward/<key>` metrics). "
+        "Called in the reward processes and by `sparkrl eval`; '' = `reward.backend`.",
+    )
+    kwargs: dict[str, Any] = _f(
+        {}, "Fixed keyword arguments passed to every function of your own (`reward.function`, `by_source`)."
+    )
+    batched: bool = _f(
+        False,
+        "Call your functions once a batch, verl's BatchRewardManager form: `name(data_sources, "
+        "solution_strs, ground_truths, extra_infos, **kwargs) -> list` (for a checker that calls a model "
+        "or a server); a call of m responses is allowed m x `reward.timeout_s`.",
+    )
+    by_source: dict[str, str] = _f(
+        {},
+        "Checker of each data source (the rows' `data_source`): `math_dapo`, `math_verify` or an import "
+        "path; sources not named use `reward.function`, else `reward.backend`. Metrics are split by "
+        "source: `reward/<source>/mean`, `acc/<source>/mean`.",
+    )
+    max_error_fraction: float = _f(
+        0.1,
+        "Stop the run when more than this fraction of a step's (or an evaluation's) responses fail to "
+        "score; the first traceback of each function goes to `logs/reward.log` with its row (1 = never).",
+        ge=0,
+        le=1,
+    )
+    timeout_s: float = _f(
+        10.0, "Seconds allowed to score one response (then it scores -1 and counts as an error).", gt=0
+    )
     num_workers: int = _f(0, "Scoring processes (0 = in the driver).", ge=0)
+
+
+def reward_checkers(reward: RewardConfig) -> dict[str, str]:
+    """Config key -> checker (a built-in name or an import path) of every checker the run uses."""
+    out = {"reward.function": reward.function} if reward.function else {"reward.backend": reward.backend}
+    out.update({f"reward.by_source.{source}": c for source, c in reward.by_source.items()})
+    return out
 
 
 @dataclass
@@ -480,6 +535,15 @@ def _show(value: Any) -> str:
     return "null" if value is None else f"{value!r} ({type(value).__name__})"
 
 
+# verl's spellings of what sparkrl names otherwise: an unknown key under them says where it went.
+VERL_KEYS = {
+    "custom_reward_function": "verl's custom_reward_function.{path,name} is reward.function: "
+    '"path/to/file.py:name", and its reward_kwargs reward.kwargs',
+    "reward_model.reward_manager": "verl's batch reward manager is reward.batched: true",
+    "actor_rollout_ref.actor.policy_loss": "verl's policy_loss.loss_mode is algorithm.policy_loss",
+}
+
+
 def _check_keys(tree: Any, prefix: str, cls: type, where: str, problems: list[str]) -> Any:
     """Report unknown keys and sections given a non-mapping, recursively, before OmegaConf sees the tree.
     Returns the tree without empty sections (`lora:` with every line commented out)."""
@@ -491,8 +555,14 @@ def _check_keys(tree: Any, prefix: str, cls: type, where: str, problems: list[st
     for key, value in tree.items():
         path = f"{prefix}{key}"
         if path not in _FIELDS:
+            verl = next((hint for prefix, hint in VERL_KEYS.items() if path.startswith(prefix)), None)
             near = nearest_key(path)
-            problems.append(f"{where}: unknown key '{path}'" + (f" (did you mean '{near}'?)" if near else ""))
+            if verl:
+                problems.append(f"{where}: unknown key '{path}' ({verl})")
+            else:
+                problems.append(
+                    f"{where}: unknown key '{path}'" + (f" (did you mean '{near}'?)" if near else "")
+                )
             continue
         tp = _FIELDS[path][1]
         if is_section(tp):
@@ -640,7 +710,31 @@ def load_config(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ())
     problems = [f"{origin.get(key, where)}: {key}: {msg}" for key, msg in validate(obj)]
     if problems:
         raise ConfigError(problems)
+    _absolute_code_paths(obj, origin, path)
     return obj
+
+
+# Keys that may name code by import path: a relative file in them is relative to the recipe that sets it.
+CODE_KEYS = ("reward.function", "reward.by_source", "algorithm.adv_estimator", "algorithm.policy_loss")
+
+
+def _absolute_code_paths(cfg: SparkConfig, origin: dict[str, str], recipe: Path) -> None:
+    """Every `file.py:name` of CODE_KEYS made absolute: against the recipe's directory where the recipe set
+    it, the working directory where an override did (rl.core.user_code)."""
+
+    def base(key: str) -> Path:
+        return recipe.parent if origin.get(key, str(recipe)) == str(recipe) else Path.cwd()
+
+    def fix(key: str, value):
+        if user_code.is_import_path(value) and user_code.problem(value) is None:
+            return user_code.absolute_file(value, base(key))
+        return value
+
+    rw, al = cfg.reward, cfg.algorithm
+    rw.function = fix("reward.function", rw.function)
+    rw.by_source = {k: fix("reward.by_source", v) for k, v in rw.by_source.items()}
+    al.adv_estimator = fix("algorithm.adv_estimator", al.adv_estimator)
+    al.policy_loss = fix("algorithm.policy_loss", al.policy_loss)
 
 
 def _type_problem(e: OmegaConfBaseException, given: dict[str, Any]) -> str:
@@ -682,13 +776,67 @@ def _field_problems(obj: Any, prefix: str = ""):
         value, key = getattr(obj, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             yield from _field_problems(value, key + ".")
+        elif getattr(f.metadata.get("choices"), "import_paths", False) and user_code.is_import_path(value):
+            wrong = user_code.problem(value)
+            if wrong:
+                yield key, wrong
         elif f.metadata.get("choices") and value not in (choices := tuple(f.metadata["choices"])):
             names = ", ".join(repr(c) for c in choices)
+            if getattr(f.metadata["choices"], "import_paths", False):
+                names += ", or an import path (`file.py:name`, `module:name`)"
             near = difflib.get_close_matches(str(value), [c for c in choices if c], n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             yield key, f"expected one of {names}, got {value!r}{hint}"
         elif isinstance(value, int | float) and not _in_bounds(value, f.metadata["bounds"]):
             yield key, f"must be {describe_bounds(f.metadata['bounds'])}, got {value}"
+
+
+def _reward_problems(rw: RewardConfig) -> list[tuple[str, str]]:
+    """The form of `reward.function` and `reward.by_source` (the functions themselves are the preflight's),
+    and the keys that only mean something with a function of your own."""
+    from rl.reward import BACKENDS
+
+    out = []
+    if rw.function:
+        if not user_code.is_import_path(rw.function):
+            hint = (
+                f" (a built-in checker goes in reward.backend={rw.function})"
+                if rw.function in BACKENDS
+                else ""
+            )
+            out.append(
+                (
+                    "reward.function",
+                    f"expected `path/to/file.py:name` or `module:name`, got {rw.function!r}{hint}",
+                )
+            )
+        elif wrong := user_code.problem(rw.function):
+            out.append(("reward.function", wrong))
+    if user_code.is_import_path(rw.backend):
+        out.append(("reward.backend", f"a function of your own goes in reward.function={rw.backend}"))
+    for source, checker in rw.by_source.items():
+        key = f"reward.by_source.{source}"
+        if not isinstance(checker, str) or not (checker in BACKENDS or user_code.is_import_path(checker)):
+            names = ", ".join(repr(b) for b in BACKENDS)
+            out.append((key, f"expected one of {names} or an import path (`file.py:name`), got {checker!r}"))
+        elif user_code.is_import_path(checker) and (wrong := user_code.problem(checker)):
+            out.append((key, wrong))
+    own = [c for c in reward_checkers(rw).values() if user_code.is_import_path(c)]
+    if not own and rw.kwargs:
+        out.append(
+            (
+                "reward.kwargs",
+                "passed to functions of your own, but reward.function and reward.by_source name none",
+            )
+        )
+    if not own and rw.batched:
+        out.append(
+            (
+                "reward.batched",
+                "applies to functions of your own, but reward.function and reward.by_source name none",
+            )
+        )
+    return out
 
 
 def validate(cfg: SparkConfig) -> list[tuple[str, str]]:
@@ -704,6 +852,7 @@ def validate(cfg: SparkConfig) -> list[tuple[str, str]]:
     da, ev, res = cfg.data, cfg.eval, cfg.resources
     rc = al.rollout_correction
     need(bool(cfg.run.name.strip()), "run.name", "must not be empty")
+    out += _reward_problems(cfg.reward)
     need(
         cfg.r3.enabled or not cfg.r3.measure_live_kl,
         "r3.measure_live_kl",

@@ -78,7 +78,10 @@ def _section_table(cls: type, prefix: str) -> list[str]:
         doc = f.metadata.get("doc", "")
         choices = f.metadata.get("choices") or ()
         if choices:
-            doc += " One of: " + ", ".join(f'`"{c}"`' if c == "" else f"`{c}`" for c in choices) + "."
+            names = ", ".join(f'`"{c}"`' if c == "" else f"`{c}`" for c in choices)
+            if getattr(choices, "import_paths", False):
+                names += ", or an import path (`file.py:name`, `module:name`)"
+            doc += f" One of: {names}."
         bounds = describe_bounds(f.metadata["bounds"]) if "bounds" in f.metadata else ""
         if bounds:
             doc += f" Must be {bounds}."

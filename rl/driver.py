@@ -359,7 +359,7 @@ class Run:
         draws = cfg.algorithm.dynamic_sampling.max_draws if cfg.algorithm.dynamic_sampling.enabled else 1
         kept: list[Sample] = []
         all_samples: list[Sample] = []
-        gen_s, reward_errors, received = 0.0, 0.0, 0
+        gen_s, reward_errors, received, first_error = 0.0, 0.0, 0, ""
         for draw in range(draws):
             prompts = self.loader.next_batch(want if draw == 0 else want - len({s.group for s in kept}))
             t = time.perf_counter()
@@ -368,7 +368,9 @@ class Run:
             )
             gen_s += time.perf_counter() - t
             received += sum(s.payload_bytes() for s in samples)
-            reward_errors += self._score(samples)
+            scored = self._score(samples, prompts, offset=draw * want)
+            reward_errors += scored.errors
+            first_error = first_error or next(iter(scored.messages), "")
             all_samples.extend(samples)
             if not cfg.algorithm.dynamic_sampling.enabled:
                 kept = samples
@@ -379,6 +381,7 @@ class Run:
             kept.extend(s for s, k in zip(samples, keep.tolist()) if k)
             if len({s.group for s in kept}) >= want:
                 break
+        self._check_reward_errors(f"step {step}", reward_errors, len(all_samples), first_error)
         if not kept:
             # Every group had equal rewards: nothing to learn from; train on the plain batch (zero advantages).
             kept = all_samples[: want * cfg.rollout.n]
@@ -414,8 +417,11 @@ class Run:
         samples = self.rollout.generate(
             prompt_requests(self.eval_prompts), self._sampling(eval_stream(step), eval=True)
         )
-        responses = self._score(samples, return_responses=True)
-        records = records_from_samples(samples, responses)
+        scored = self._score(samples, self.eval_prompts)
+        self._check_reward_errors(
+            f"eval at step {step}", scored.errors, len(samples), next(iter(scored.messages), "")
+        )
+        records = records_from_samples(samples, scored.responses)
         write_records(records_path(self.dir, step), records)
         metrics = eval_metrics(records, k=cfg.eval.k)
         self.eval_history.append((step, metrics))
@@ -432,10 +438,21 @@ class Run:
     def _sampling(self, stream: int, eval: bool = False):
         return sampling_spec(self.cfg, sampling_seed(self.cfg.rollout.seed, stream), eval=eval)
 
-    def _score(self, samples: list[Sample], return_responses: bool = False):
-        """Fill reward/acc/pred of every sample (with DAPO overlong shaping); the error count or responses."""
+    def _score(self, samples: list[Sample], prompts: list[Prompt], offset: int = 0):
+        """Fill reward/acc/pred of every sample (with DAPO overlong shaping), each scored against its prompt's
+        row (`prompts[group - offset]`: data source, ground truth, extra_info). -> the RewardResults, with
+        the decoded responses as `responses`."""
+        from rl.reward import RewardRow
+
         responses = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-        results = self.reward.score_samples(samples, responses)
+        rows = [RewardRow.of_prompt(prompts[s.group - offset]) for s in samples]
+        results = self.reward.score_samples(samples, responses, rows)
+        results.responses = responses
+        for line in results.logged:
+            self.log.event(
+                f"[red]reward: {line}; the first failure of this checker, its traceback and row in "
+                f"{self.dir / 'logs' / 'reward.log'}"
+            )
         ov = self.cfg.algorithm.overlong
         if ov.buffer_len > 0:
             lengths = torch.tensor([len(s.response_ids) for s in samples])
@@ -444,7 +461,18 @@ class Run:
             )
             for s, p in zip(samples, penalty.tolist()):
                 s.reward += p
-        return responses if return_responses else float(results.errors)
+        return results
+
+    def _check_reward_errors(self, what: str, errors: float, total: int, first: str) -> None:
+        """Stop the run when more than reward.max_error_fraction of `what`'s responses failed to score."""
+        limit = self.cfg.reward.max_error_fraction
+        if total and errors / total > limit:
+            raise StopRun(
+                f"{what}: {int(errors)} of {total} responses failed to score ({errors / total:.0%}, over "
+                f"reward.max_error_fraction={limit:g}); first: {first}. The traceback and row are in "
+                f"{self.dir / 'logs' / 'reward.log'}; fix the reward function and resume (`sparkrl train "
+                f"{self.dir} --resume`) or start again"
+            )
 
     def _count_skips(self, step: int, train_metrics: dict) -> int:
         """Counts a skipped update (non-finite loss or gradient); stops the run after
@@ -642,9 +670,12 @@ def policy_lag_k3(current: list[np.ndarray], at_generation: list[np.ndarray], sa
 def batch_metrics(all_samples: list[Sample], kept: list[Sample], max_response_len: int) -> dict:
     rewards = np.array([s.reward for s in all_samples], dtype=np.float64)
     lengths = np.array([len(s.response_ids) for s in all_samples], dtype=np.float64)
+    from rl.reward import reward_metrics
+
     return {
         "reward/mean": float(rewards.mean()),
         "acc/mean": float(np.mean([bool(s.acc) for s in all_samples])),
+        **reward_metrics(all_samples),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float(np.mean([s.finish_reason == "length" for s in all_samples])),

@@ -54,8 +54,9 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
     from transformers import AutoTokenizer
 
     from rl.evaluation import eval_metrics, records_from_samples, write_records
-    from rl.reward import RewardPool
+    from rl.reward import RewardRow
     from rl.setup import (
+        build_reward,
         engine_spec,
         init_ray,
         load_prompts_for,
@@ -89,8 +90,19 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
                 pool.load_merged_weights(merged_weights(model_path, adapter, cfg.model.dtype), 1)
         samples = pool.generate(prompt_requests(prompts), sampling_spec(cfg, cfg.rollout.seed, eval=True))
         responses = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-        with RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend) as reward:
-            reward.score_samples(samples, responses)
+        rows = [RewardRow.of_prompt(prompts[s.group]) for s in samples]
+        with build_reward(cfg, run_dir(cfg) / "logs") as reward:
+            scored = reward.score_samples(samples, responses, rows)
+        if scored.errors:
+            print(
+                f"eval: {scored.errors} of {len(samples)} responses failed to score (first: "
+                f"{scored.messages[0]}); the traceback and row are in {run_dir(cfg) / 'logs' / 'reward.log'}"
+            )
+        if scored.errors > cfg.reward.max_error_fraction * len(samples):
+            raise ValueError(
+                f"eval: more than reward.max_error_fraction={cfg.reward.max_error_fraction:g} of the responses "
+                "failed to score; no metrics written"
+            )
         records = records_from_samples(samples, responses)
         path = write_records(run_dir(cfg) / "eval" / f"eval_{tag}.jsonl", records)
         metrics = eval_metrics(records, k=cfg.eval.k)

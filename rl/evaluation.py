@@ -6,7 +6,9 @@ With k samples per problem:
   to the answer given first);
 - best@k: any of the k samples is right.
 
-Metric names: `val-core/<data_source>/acc/{mean,maj,best}@<k>`. Records go to `eval/step_<N>.jsonl` in the
+Metric names: `val-core/<data_source>/acc/{mean,maj,best}@<k>`, and `val-core/<data_source>/reward/mean@<k>`
+(the scores averaged, verl's name: a reward with partial credit shows there). A source whose checker names
+no answer (`pred`; a function of the user's own may not) has no maj@k. Records go to `eval/step_<N>.jsonl` in the
 run directory, one JSON object per sample, written to a temporary file and renamed into place.
 """
 
@@ -19,12 +21,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rl.reward import ERROR_PRED, INVALID, TIMEOUT_PRED
+from rl.reward import ERROR_PRED, INVALID, NO_PRED, TIMEOUT_PRED
 
 if TYPE_CHECKING:
     from rl.core.batch import Sample
 
-NO_ANSWER = frozenset({INVALID, ERROR_PRED, TIMEOUT_PRED})
+NO_ANSWER = frozenset({INVALID, ERROR_PRED, TIMEOUT_PRED, NO_PRED})
 
 
 @dataclass
@@ -103,7 +105,8 @@ def eval_metrics(records: Iterable[EvalRecord], k: int | None = None) -> dict[st
     for source in sorted(by_source):
         problems = by_source[source]
         source_k = k if k is not None else len(next(iter(problems.values())))
-        means, majs, bests = [], [], []
+        means, majs, bests, rewards = [], [], [], []
+        voting = any(r.pred != NO_PRED for samples in problems.values() for r in samples.values())
         for problem, samples in problems.items():
             if len(samples) != source_k:
                 raise ValueError(
@@ -115,10 +118,13 @@ def eval_metrics(records: Iterable[EvalRecord], k: int | None = None) -> dict[st
             means.append(mean_at_k(accs))
             majs.append(maj_at_k([r.pred for r in ordered], accs))
             bests.append(best_at_k(accs))
+            rewards.append(sum(r.score for r in ordered) / len(ordered))
         prefix = f"val-core/{source}/acc"
         metrics[f"{prefix}/mean@{source_k}"] = sum(means) / len(means)
-        metrics[f"{prefix}/maj@{source_k}"] = sum(majs) / len(majs)
+        if voting:
+            metrics[f"{prefix}/maj@{source_k}"] = sum(majs) / len(majs)
         metrics[f"{prefix}/best@{source_k}"] = sum(bests) / len(bests)
+        metrics[f"val-core/{source}/reward/mean@{source_k}"] = sum(rewards) / len(rewards)
     return metrics
 
 

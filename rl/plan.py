@@ -241,8 +241,11 @@ def model_shape(cfg) -> ModelShape:
     m = cfg.model
     if m.make_tiny.arch:
         from rl.tiny import VOCAB_SIZE, model_config
+        from trainer.nvfp4 import FORMAT as NVFP4_FORMAT
 
         hf = model_config(m.make_tiny.arch, VOCAB_SIZE, eos_id=1, pad_id=0).to_dict()
+        if m.make_tiny.quantize:  # what `sparkrl quantize` writes into the copy's config.json
+            hf["quantization_config"] = {"quant_method": "compressed-tensors", "format": NVFP4_FORMAT}
         return shape_from_hf(hf, f"make-tiny {m.make_tiny.arch}", "make-tiny's config (rl/tiny.py)")
     for path in (m.path, m.rollout_path):
         found = _local_config(path)
@@ -290,7 +293,12 @@ def trainer_base_format(cfg) -> tuple[str, str]:
     fmt = cfg.trainer.base_format
     if fmt != "auto":
         return fmt, f"trainer.base_format={fmt}"
-    # model.path's own config or name: the model facts may be the rollout weights' (make-tiny: model.dtype)
+    if cfg.model.make_tiny.arch:
+        quantize = cfg.model.make_tiny.quantize
+        return (
+            "nvfp4" if quantize else "bf16"
+        ), f"trainer.base_format=auto: model.make_tiny.quantize={quantize!r}"
+    # model.path's own config or name: the model facts may be the rollout weights'
     kind, why = _stored_format(cfg, cfg.model.path, None)
     return ("nvfp4" if kind == "nvfp4" else "bf16"), f"trainer.base_format=auto: {why}"
 
@@ -386,6 +394,30 @@ def rollout_lora_params(cfg, s: ModelShape, tp: int) -> float:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _show(value) -> str:
+    """A value as a key=value override writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+@dataclass
+class Change:
+    """A change the plan suggests: `text` as printed; `sets`, the keys it sets (dotted key -> value), which
+    the planner applies and re-plans before printing it; `quantized`: model.path becomes its NVFP4 twin
+    (`sparkrl quantize`), and `step` says how."""
+
+    text: str
+    sets: dict = field(default_factory=dict)
+    quantized: bool = False
+    step: str = ""
+
+    @property
+    def command(self) -> str:
+        keys = " ".join(f"{k}={_show(v)}" for k, v in self.sets.items())
+        return ", then ".join(x for x in (self.step, keys) if x) if self.step else keys
+
+
 @dataclass
 class Plan:
     shape: ModelShape
@@ -429,6 +461,9 @@ class Plan:
     # bytes a GPU left over by each memory check (negative: over)
     headroom: dict[str, float] = field(default_factory=dict)
     suggestions: list[str] = field(default_factory=list)
+    changes: list[Change] = field(default_factory=list)  # what _judge proposes, before re-planning
+    notes: list[str] = field(default_factory=list)  # what the plan says with no change to apply
+    kv_target: float = 0.0  # the gpu_memory_utilization at which vLLM holds every sequence at once
 
     @property
     def r_total_min(self) -> float:
@@ -527,13 +562,18 @@ def trainer_activations(cfg, s: ModelShape, tokens: int, abytes: int) -> float:
     return kept + work + _logits_bytes(logits_tokens(cfg, tokens), s.vocab, abytes)
 
 
-def make_plan(cfg, gpu_gib: float | None = None) -> Plan:
-    """The plan of `cfg` on GPUs of `gpu_gib` GiB (default resources.gpu_memory_gib)."""
+def make_plan(cfg, gpu_gib: float | None = None, quantized: bool = False, advise: bool = True) -> Plan:
+    """The plan of `cfg` on GPUs of `gpu_gib` GiB (default resources.gpu_memory_gib). `quantized`: as if
+    model.path were its NVFP4 twin (`sparkrl quantize`); `advise`: re-plan each suggested change and keep
+    those that fit (p.suggestions)."""
     s = model_shape(cfg)
     ro, tr, res = cfg.rollout, cfg.trainer, cfg.resources
     G = (gpu_gib or res.gpu_memory_gib) * GiB
     wbytes = DTYPE_BYTES[cfg.model.dtype]
-    fmt, why = rollout_format(cfg, s)
+    if quantized and not cfg.model.rollout_path:
+        fmt, why = "nvfp4", "model.path quantized (`sparkrl quantize`)"
+    else:
+        fmt, why = rollout_format(cfg, s)
     tp = ro.tensor_parallel_size
 
     # ---- rollout ----
@@ -561,6 +601,8 @@ def make_plan(cfg, gpu_gib: float | None = None) -> Plan:
     lora_t = trainer_lora_params(cfg, s)
     state_bytes = 4 * DTYPE_BYTES["float32"]  # parameter, gradient, AdamW m and v: fp32 LoRA masters
     base, base_why = trainer_base_format(cfg)
+    if quantized and cfg.trainer.base_format == "auto":
+        base, base_why = "nvfp4", "trainer.base_format=auto: model.path quantized (`sparkrl quantize`)"
     tokens = tr.micro_batch_tokens or tr.micro_batch_size * (ro.max_prompt_len + ro.max_response_len)
     placement_ok, placement_why = _placement_verdict(cfg)
 
@@ -603,6 +645,8 @@ def make_plan(cfg, gpu_gib: float | None = None) -> Plan:
     )
     if on_gpu:
         _judge(plan, cfg)
+        if advise:
+            _advise(plan, cfg, quantized)
     return plan
 
 
@@ -633,12 +677,13 @@ def _up(x: float, step: float = 0.01) -> float:
 
 
 def _judge(p: Plan, cfg) -> None:
-    """Fill p.verdicts and p.suggestions."""
+    """Fill p.verdicts, p.notes and p.changes (each change as it would be applied; `_advise` re-plans them)."""
     G, ro = p.gpu_bytes, cfg.rollout
     gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
     u_need = p.r_total_min / G
     u_all = (p.r_total_min - p.kv_per_seq + p.seqs_wanted * p.kv_per_seq) / G
     need_ranks: list[tuple[int, str]] = []  # (trainer ranks, why) for each check more ranks would pass
+    changes, p.changes = [], []
     p.verdicts.append(("placement", p.placement_ok, p.placement_why))
 
     ok = p.kv_room >= p.kv_per_seq
@@ -654,23 +699,25 @@ def _judge(p: Plan, cfg) -> None:
     )
     if not ok:
         if u_need <= 0.95:
-            p.suggestions.append(
-                f"rollout.gpu_memory_utilization={_up(u_need):.2f} (at least) gives vLLM "
-                "room for one full-length sequence"
+            changes.append(
+                Change(
+                    f"rollout.gpu_memory_utilization={_up(u_need):.2f} (at least) gives vLLM room for one "
+                    "full-length sequence",
+                    {"rollout.gpu_memory_utilization": round(_up(u_need), 2)},
+                )
             )
-        if ro.tensor_parallel_size * 2 <= cfg.resources.gpus_per_node:
-            p.suggestions.append(
-                f"rollout.tensor_parallel_size={ro.tensor_parallel_size * 2} halves the "
-                "weights each GPU holds"
+        changes.append(
+            Change(
+                f"rollout.tensor_parallel_size={ro.tensor_parallel_size * 2} halves the weights each GPU holds",
+                {"rollout.tensor_parallel_size": ro.tensor_parallel_size * 2},
             )
+        )
     elif p.seqs_fit < p.seqs_wanted:
-        msg = (
+        p.notes.append(
             f"the KV room holds {p.seqs_fit} of the {p.seqs_wanted} sequences an engine runs at once; "
             "vLLM queues the rest (slower rollouts)"
         )
-        if u_all <= 0.95:
-            msg += f"; rollout.gpu_memory_utilization={_up(u_all):.2f} holds them all"
-        p.suggestions.append(msg)
+        p.kv_target = min(_up(u_all), 0.95)
 
     if p.placement == "colocated":
         during_rollout = p.t_resident + p.r_budget
@@ -685,17 +732,26 @@ def _judge(p: Plan, cfg) -> None:
             )
         )
         if not ok:
-            room = (G - p.t_resident) / G
+            room = math.floor((G - p.t_resident) / G * 100) / 100
             if room >= u_need:
-                p.suggestions.append(
-                    f"rollout.gpu_memory_utilization={math.floor(room * 100) / 100:.2f} (at "
-                    "most) leaves the trainer's resident state its room"
+                changes.append(
+                    Change(
+                        f"rollout.gpu_memory_utilization={room:.2f} (at most) leaves the trainer's resident "
+                        "state its room",
+                        {"rollout.gpu_memory_utilization": room},
+                    )
                 )
+            _resident_changes(p, cfg, changes)
             sharded = (p.t_weights + p.t_lora_state) * p.ranks
             free = G - p.r_budget - p.t_runtime
             if free > 0:
                 need_ranks.append((math.ceil(sharded / free), "beside vLLM's budget"))
-            p.suggestions.append("rollout.placement=split gives the engines GPUs of their own")
+            changes.append(
+                Change(
+                    "rollout.placement=split gives the engines GPUs of their own",
+                    {"rollout.placement": "split"},
+                )
+            )
         sleeping = RUNTIME_BYTES
         ok = p.t_peak + sleeping <= G
         p.headroom["colocated, training phase"] = G - p.t_peak - sleeping
@@ -712,15 +768,75 @@ def _judge(p: Plan, cfg) -> None:
         p.headroom["trainer"] = G - p.t_peak
         p.verdicts.append(("trainer", ok, f"peak {gib(p.t_peak)} of {gib(G)}"))
     if not ok:
-        _training_hints(p, cfg, sleeping, need_ranks)
-    if need_ranks:
-        why = " and ".join(w for _, w in need_ranks)
-        p.suggestions.insert(0, _ranks_hint(cfg, max(n for n, _ in need_ranks), why))
+        _training_hints(p, cfg, sleeping, need_ranks, changes)
+    if need_ranks and cfg.resources.num_gpus > 1:  # one GPU: what fits on it, not more GPUs
+        changes.append(
+            _ranks_change(cfg, max(n for n, _ in need_ranks), " and ".join(w for _, w in need_ranks))
+        )
+    # One GPU: the NVFP4 base first, then the memory fractions, then the rest
+    seen = set()
+    for c in sorted(changes, key=lambda c: 0 if c.quantized or "trainer.base_format" in c.sets else 1):
+        if c.command not in seen:
+            seen.add(c.command)
+            p.changes.append(c)
 
 
-def _training_hints(p: Plan, cfg, sleeping: float, need_ranks: list[tuple[int, str]]) -> None:
-    """The trainer's peak is over: more ranks thin the sharded state; a shorter micro-batch shrinks the
-    activations, which do not shard."""
+def _resident_changes(p: Plan, cfg, changes: list[Change]) -> None:
+    """What shrinks the trainer's resident state (base weights, LoRA state) on the GPUs it has: the NVFP4
+    base, fewer LoRA targets, a lower LoRA rank."""
+    gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
+    wbytes = DTYPE_BYTES[cfg.model.dtype]
+    if p.base_format != "nvfp4":
+        packed = stored_bytes(p.shape.params, "nvfp4", wbytes) / p.ranks
+        gathered = trainer_gathered(p.shape, "nvfp4", p.ranks, wbytes)
+        figures = (
+            f"base {gib(packed)} instead of {gib(p.t_weights)}, gathered {gib(gathered)} instead of "
+            f"{gib(p.t_gathered)}"
+        )
+        if _stored_format(cfg, cfg.model.path, None)[0] == "nvfp4":
+            changes.append(
+                Change(
+                    f"trainer.base_format=nvfp4 keeps model.path's NVFP4 weights packed: {figures}",
+                    {"trainer.base_format": "nvfp4"},
+                )
+            )
+        elif cfg.model.path and not cfg.model.make_tiny.arch:
+            sets = {} if cfg.trainer.base_format == "auto" else {"trainer.base_format": "nvfp4"}
+            step = f"`sparkrl quantize {cfg.model.path} DIR`, model.path=DIR"
+            change = Change("", sets, quantized=True, step=step)
+            change.text = (
+                f"{change.command}: the NVFP4 twin keeps the trainer's base packed and the rollout's weights "
+                f"at 4.5 bits a weight: {figures}"
+            )
+            changes.append(change)
+    lo, s = cfg.lora, p.shape
+    if lo.target_experts and s.num_experts:
+        changes.append(
+            Change(
+                "lora.target_experts=false leaves the experts without adapters (attention only)",
+                {"lora.target_experts": False},
+            )
+        )
+    if lo.target_latent and s.latent:
+        changes.append(
+            Change(
+                "lora.target_latent=false leaves the pooler and unpooler without adapters",
+                {"lora.target_latent": False},
+            )
+        )
+    if lo.rank >= 16:
+        changes.append(
+            Change(
+                f"lora.rank={lo.rank // 2} halves the LoRA state ({gib(p.t_lora_state)} now; lora.alpha stays, "
+                "so the update's scale alpha / r doubles)",
+                {"lora.rank": lo.rank // 2},
+            )
+        )
+
+
+def _training_hints(p: Plan, cfg, sleeping: float, need_ranks: list[tuple[int, str]], changes) -> None:
+    """The trainer's peak is over: a shorter micro-batch or chunk shrinks the activations, which do not shard;
+    the NVFP4 base and fewer LoRA targets shrink the resident state; more ranks thin the sharded state."""
     G, tr = p.gpu_bytes, cfg.trainer
     gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
     sharded = (p.t_weights + p.t_lora_state) * p.ranks
@@ -728,55 +844,71 @@ def _training_hints(p: Plan, cfg, sleeping: float, need_ranks: list[tuple[int, s
     if fixed < G:
         need_ranks.append((math.ceil(sharded / (G - fixed)), "for the training phase"))
     wbytes = DTYPE_BYTES[cfg.model.dtype]
-    if p.base_format != "nvfp4" and _stored_format(cfg, cfg.model.path, None)[0] == "nvfp4":
-        packed = stored_bytes(p.shape.params, "nvfp4", wbytes) / p.ranks
-        gathered = trainer_gathered(p.shape, "nvfp4", p.ranks, wbytes)
-        p.suggestions.append(
-            f"trainer.base_format=nvfp4 keeps model.path's NVFP4 weights packed: base {gib(packed)} instead of "
-            f"{gib(p.t_weights)}, gathered {gib(gathered)} instead of {gib(p.t_gathered)}"
-        )
     if p.logits_tokens > DEFAULT_LOGITS_CHUNK:
         chunked = _logits_bytes(DEFAULT_LOGITS_CHUNK, p.shape.vocab, wbytes)
-        p.suggestions.append(
-            f"trainer.logits_chunk_tokens={DEFAULT_LOGITS_CHUNK} cuts the LM head's logits from "
-            f"{gib(p.t_logits)} to {gib(chunked)}"
+        changes.append(
+            Change(
+                f"trainer.logits_chunk_tokens={DEFAULT_LOGITS_CHUNK} cuts the LM head's logits from "
+                f"{gib(p.t_logits)} to {gib(chunked)}",
+                {"trainer.logits_chunk_tokens": DEFAULT_LOGITS_CHUNK},
+            )
         )
     longest = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     per_token = p.t_activations / p.micro_tokens if p.micro_tokens else 0.0
     if tr.micro_batch_tokens and per_token and p.micro_tokens > longest:
         room = G - (p.t_peak - p.t_activations) - sleeping
-        t_fit = int(room / per_token) if room > 0 else 0
+        t_fit = _micro_tokens_fit(cfg, p.shape, room, longest, p.micro_tokens)
         if longest <= t_fit < p.micro_tokens:
-            p.suggestions.append(
-                f"trainer.micro_batch_tokens={t_fit} (at most) fits the activations "
-                f"({gib(p.t_activations)} at {p.micro_tokens:,} tokens)"
+            changes.append(
+                Change(
+                    f"trainer.micro_batch_tokens={t_fit} (at most) fits the activations "
+                    f"({gib(p.t_activations)} at {p.micro_tokens:,} tokens)",
+                    {"trainer.micro_batch_tokens": t_fit},
+                )
             )
         else:
-            fixed_min = fixed - p.t_activations + per_token * longest
-            msg = (
-                f"trainer.micro_batch_tokens={longest} (one whole sequence, the least allowed) cuts the "
-                f"activations from {gib(p.t_activations)} to {gib(per_token * longest)}"
+            changes.append(
+                Change(
+                    f"trainer.micro_batch_tokens={longest} (one whole sequence, the least allowed) cuts the "
+                    f"activations from {gib(p.t_activations)} to {gib(per_token * longest)}",
+                    {"trainer.micro_batch_tokens": longest},
+                )
             )
-            if fixed_min < G:
-                ranks = _round_ranks(cfg, math.ceil(sharded / (G - fixed_min)))
-                msg += f"; then trainer.num_ranks={ranks} would do"
-            p.suggestions.append(msg)
     budget = memory_budget(cfg)
     if budget:
-        p.suggestions.append(
-            f"a trainer.activation_memory_budget below {budget:g} recomputes more and keeps less; "
-            "trainer.activation_memory_budget=0 with trainer.activation_checkpointing=true keeps only each "
-            "layer's input"
+        changes.append(
+            Change(
+                "trainer.activation_memory_budget=0 with trainer.activation_checkpointing=true keeps only each "
+                "layer's input",
+                {"trainer.activation_memory_budget": 0.0, "trainer.activation_checkpointing": True},
+            )
         )
     elif not tr.activation_checkpointing:
-        p.suggestions.append(
-            "trainer.activation_checkpointing=true keeps each layer's input, not all its activations"
+        changes.append(
+            Change(
+                "trainer.activation_checkpointing=true keeps each layer's input, not all its activations",
+                {"trainer.activation_checkpointing": True},
+            )
         )
+    _resident_changes(p, cfg, changes)
     if fixed >= G:
-        p.suggestions.append(
+        p.notes.append(
             f"the gathered layers, activations and runtime alone take {gib(fixed)} a GPU: "
             "more ranks cannot help; shorten trainer.micro_batch_tokens"
         )
+
+
+def _micro_tokens_fit(cfg, s: ModelShape, room: float, least: int, most: int) -> int:
+    """The largest trainer.micro_batch_tokens in [least, most) whose activations fit `room` bytes, rounded down
+    to a multiple of 512 where that stays at least `least`; 0 when even `least` does not fit."""
+    act = lambda t: trainer_activations(cfg, s, t, DTYPE_BYTES[cfg.model.dtype])  # noqa: E731
+    if act(least) > room:
+        return 0
+    lo, hi = least, most  # act(lo) fits; hi: not known to
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if act(mid) <= room else (lo, mid)
+    return max(lo // 512 * 512, least)
 
 
 def _round_ranks(cfg, ranks: int) -> int:
@@ -785,14 +917,90 @@ def _round_ranks(cfg, ranks: int) -> int:
     return math.ceil(ranks / per_node) * per_node if ranks > per_node else ranks
 
 
-def _ranks_hint(cfg, ranks: int, why: str) -> str:
+def _ranks_change(cfg, ranks: int, why: str) -> Change:
     ranks = _round_ranks(cfg, ranks)
     nodes = max(math.ceil(ranks / cfg.resources.gpus_per_node), cfg.resources.nodes)
     gpus = max(ranks, cfg.resources.num_gpus)
-    return (
-        f"trainer.num_ranks={ranks} resources.num_gpus={gpus} resources.nodes={nodes} (sharded trainer "
-        f"state, {why})"
-    )
+    sets = {"trainer.num_ranks": ranks, "resources.num_gpus": gpus, "resources.nodes": nodes}
+    keys = " ".join(f"{k}={v}" for k, v in sets.items())
+    return Change(f"{keys} (sharded trainer state, {why})", sets)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Advice: every suggested change re-planned
+# ----------------------------------------------------------------------------------------------------
+
+
+def apply_change(cfg, change: Change):
+    """A copy of `cfg` with the change's keys set, or None when the config refuses it (rl.config.validate)."""
+    from rl.config import validate
+
+    new = copy.deepcopy(cfg)
+    for key, value in change.sets.items():
+        *parents, leaf = key.split(".")
+        obj = new
+        for name in parents:
+            obj = getattr(obj, name)
+        setattr(obj, leaf, value)
+    return None if validate(new) else new
+
+
+def replan(cfg, changes: list[Change], gpu_gib: float) -> Plan | None:
+    """The plan of `cfg` with `changes` applied in order, or None when the config refuses one of them."""
+    quantized = False
+    for change in changes:
+        cfg = apply_change(cfg, change)
+        if cfg is None:
+            return None
+        quantized = quantized or change.quantized
+    return make_plan(cfg, gpu_gib, quantized=quantized, advise=False)
+
+
+def _advise(p: Plan, cfg, quantized: bool) -> None:
+    """p.suggestions: each change whose re-plan fits (the config and the placement accept it, and every memory
+    check passes), with its margin; when none fits alone, the first combination found that does (each step the
+    first change, in p.changes' order, that widens the margin); then the notes."""
+    gpu_gib = p.gpu_bytes / GiB
+    base = [Change("", {}, quantized=True)] if quantized else []
+    out = []
+    for change in p.changes:
+        q = replan(cfg, [*base, change], gpu_gib)
+        if q is not None and q.fits:
+            out.append(f"{change.text} (re-planned: fits, margin {q.margin / GiB:.1f} GiB)")
+    if not p.fits and not out:
+        chosen, current = [], p
+        for _ in range(6):
+            step = None
+            for change in current.changes:
+                # a key set again replaces the earlier value
+                kept = [c for c in chosen if not set(c.sets) & set(change.sets)]
+                q = replan(cfg, [*base, *kept, change], gpu_gib)
+                if q is None or not q.placement_ok:
+                    continue
+                if q.fits or q.margin > current.margin:
+                    step = (change, q)
+                    break
+            if step is None:
+                break
+            chosen = [c for c in chosen if not set(c.sets) & set(step[0].sets)] + [step[0]]
+            current = step[1]
+            if current.fits:
+                together = "; ".join(c.command for c in chosen)
+                out.append(f"together: {together} (re-planned: fits, margin {current.margin / GiB:.1f} GiB)")
+                break
+    if p.fits and p.kv_target > cfg.rollout.gpu_memory_utilization:
+        # the largest gpu_memory_utilization up to what holds every sequence that still fits
+        u = p.kv_target
+        while u > cfg.rollout.gpu_memory_utilization + 1e-9:
+            q = replan(cfg, [*base, Change("", {"rollout.gpu_memory_utilization": round(u, 2)})], gpu_gib)
+            if q is not None and q.fits:
+                held = "holds them all" if q.seqs_fit >= q.seqs_wanted else f"holds {q.seqs_fit}"
+                p.notes[-1] += (
+                    f"; rollout.gpu_memory_utilization={u:.2f} {held} (re-planned: fits, margin {q.margin / GiB:.1f} GiB)"
+                )
+                break
+            u = round(u - 0.01, 2)
+    p.suggestions = out + p.notes
 
 
 # ----------------------------------------------------------------------------------------------------

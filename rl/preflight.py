@@ -13,6 +13,7 @@ when the hub has to be asked.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -284,10 +285,11 @@ def _no_answer(url: str, timeout_s: float) -> str | None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def check_data(key: str, spec: str, problems: list[str], hub: Hub | None = None) -> None:
+def check_data(key: str, spec: str, problems: list[str], hub: Hub | None = None, text_answers=True):
     """Local files and the synthetic task are loaded with the run's own reader (rl.data.sources: parse,
     schema, columns, every bad cell); a hub dataset must be in the local datasets cache or the hub must
-    answer (the run then downloads it)."""
+    answer (the run then downloads it). text_answers: which rows need a text ground truth (a data source's
+    checker is a built-in one). -> the loaded source, or None (a hub dataset, or a problem)."""
     from rl.data.problems import DataError
     from rl.data.sources import hub_dataset, load_source, parse_spec
 
@@ -304,11 +306,12 @@ def check_data(key: str, spec: str, problems: list[str], hub: Hub | None = None)
             _check_hub_dataset(key, repo_id, config, split, problems, hub or Hub())
         return
     try:
-        load_source(spec)
+        return load_source(spec, text_answers=text_answers)
     except DataError as e:
         problems.extend(f"{key}: {line}" for line in str(e).splitlines())
     except (ValueError, FileNotFoundError, OSError) as e:
         problems.append(f"{key}: {str(e).splitlines()[0]}")
+    return None
 
 
 def _check_hub_dataset(
@@ -380,19 +383,190 @@ def preflight(
     """Every check that needs no Ray; raises PreflightError listing all problems found.
 
     `train`: check the training data; `evaluate`: check `eval.data` (default: when eval.every > 0)."""
+    from rl.reward import RewardSpec
+
     problems: list[str] = []
     hub = Hub()  # asked at most once, and only for a hub id the local caches lack
     check_model(cfg, problems, hub, train)
     check_adapter("--adapter", adapter, problems)
+    text = RewardSpec.of_config(cfg.reward).needs_text
+    rows = None
     if train:
-        check_data("data.train", cfg.data.train, problems, hub)
+        source = check_data("data.train", cfg.data.train, problems, hub, text)
+        rows = source.dataset if source is not None else None
         problems += tracker_problems(cfg.logging)  # a tracker turned on whose package is missing
+        problems += algorithm_problems(cfg)
     if evaluate is None:
         evaluate = cfg.eval.every > 0
     if evaluate and cfg.eval.data:
-        check_data("eval.data", cfg.eval.data, problems, hub)
+        source = check_data("eval.data", cfg.eval.data, problems, hub, text)
+        if rows is None and source is not None:
+            rows = source.dataset
+    problems += reward_problems(cfg, rows)
     if problems:
         raise PreflightError(problems)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Code of the user's own: reward functions, advantage estimators, policy losses
+# ----------------------------------------------------------------------------------------------------
+
+_REWARD_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+_BATCHED_ARGS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
+PREFLIGHT_CALL_S = 30.0  # longest a reward function may take on the preflight's row
+
+
+def _binds(fn, names: tuple[str, ...], kwargs: dict) -> str | None:
+    """Why `fn` cannot be called with `names` and `kwargs` as keywords (None when it can)."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(names), **kwargs)
+    except TypeError as e:
+        return str(e)
+    except ValueError:  # no signature to read (a builtin): the call itself will tell
+        return None
+    return None
+
+
+def _call_with_deadline(fn, seconds: float):
+    """fn() in a thread; (result, None), or (None, why) on an exception or after `seconds`."""
+    import traceback
+
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append((fn(), None))
+        except Exception as e:  # the user's function failed: reported as one line
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            where = f" ({Path(frame.filename).name}:{frame.lineno})"
+            box.append((None, f"raised {type(e).__name__}: {str(e).strip()[:200]}{where}"))
+
+    thread = threading.Thread(target=run, name="sparkrl-reward-preflight", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return box[0] if box else (None, f"did not return within {seconds:g} s")
+
+
+def reward_problems(cfg: SparkConfig, dataset=None) -> list[str]:
+    """Each reward function of the user's own imported once, its signature checked against verl's, and the
+    function called on the first row of its data source (the first training row for reward.function) with
+    an empty response: what it returns must be a number or a dict with a numeric `score`."""
+    from rl.core import user_code
+    from rl.data.loader import reward_extra_info
+    from rl.reward import RewardSpec, is_own, normalise
+
+    spec = RewardSpec.of_config(cfg.reward)
+    own = {key: c for key, c in spec.checkers().items() if is_own(c)}
+    if not own:
+        return []
+    out = []
+    first: dict[str, dict] = {}  # data source -> its first row
+    if dataset is not None:
+        for row in dataset.select(range(min(len(dataset), 10_000))):
+            first.setdefault(row["data_source"], row)
+    for key, checker in own.items():
+        try:
+            fn = user_code.resolve(key, checker)
+        except user_code.UserCodeError as e:
+            out.append(str(e))
+            continue
+        args = _BATCHED_ARGS if spec.batched else _REWARD_ARGS
+        wrong = _binds(fn, args, spec.kwargs)
+        if wrong:
+            form = "batched (reward.batched)" if spec.batched else "verl's"
+            kw = f" plus reward.kwargs {sorted(spec.kwargs)}" if spec.kwargs else ""
+            out.append(f"{key}: {checker} does not take {form} arguments ({', '.join(args)}){kw}: {wrong}")
+            continue
+        sources = [s for s in first if spec.key(s) == key]
+        if not sources:
+            continue
+        row = first[sources[0]]
+        gt, extra = row["reward_model"]["ground_truth"], reward_extra_info(row, cfg.data.prompt_key)
+        if spec.batched:
+            args = {"data_sources": [row["data_source"]], "solution_strs": [""]}
+            args |= {"ground_truths": [gt], "extra_infos": [extra]}
+        else:
+            args = {
+                "data_source": row["data_source"],
+                "solution_str": "",
+                "ground_truth": gt,
+                "extra_info": extra,
+            }
+        on = f"on the first row of data source {sources[0]!r} with an empty response (the model may answer anything)"
+        result, why = _call_with_deadline(functools.partial(fn, **args, **spec.kwargs), PREFLIGHT_CALL_S)
+        if why:
+            out.append(f"{key}: {checker} {why} {on}")
+            continue
+        try:
+            if spec.batched:
+                if not isinstance(result, list | tuple) or len(result) != 1:
+                    got = (
+                        f"{len(result)} results"
+                        if isinstance(result, list | tuple)
+                        else type(result).__name__
+                    )
+                    raise TypeError(
+                        f"{key}: {checker} (batched) returned {got} for 1 response; expected a list"
+                    )
+                result = result[0]
+            normalise(result, key, checker)
+        except (TypeError, ValueError) as e:
+            out.append(f"{e} ({on})")
+    return out
+
+
+def algorithm_problems(cfg: SparkConfig) -> list[str]:
+    """algorithm.adv_estimator / algorithm.policy_loss named by import path: imported and called once on a
+    small batch (2 groups of 2), as the driver and the trainer ranks will call them."""
+    from rl.core import user_code
+
+    al = cfg.algorithm
+    todo = [
+        (k, v)
+        for k, v in (("algorithm.adv_estimator", al.adv_estimator), ("algorithm.policy_loss", al.policy_loss))
+        if user_code.is_import_path(v)
+    ]
+    if not todo:
+        return []
+    import torch
+
+    from rl.core import algo
+
+    out = []
+    for key, value in todo:
+        try:
+            user_code.resolve(key, value)
+            if key == "algorithm.adv_estimator":
+                adv = algo.compute_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), [0, 0, 1, 1], value)
+                if adv.shape != (4,):
+                    out.append(f"{key}: {value} gave advantages of shape {tuple(adv.shape)} for 4 samples")
+            else:
+                logp = torch.full((4, 3), -1.0, requires_grad=True)
+                loss, _ = algo.policy_loss(
+                    logp,
+                    logp.detach() - 0.1,
+                    torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                    torch.ones(4, 3),
+                    loss_mode=value,
+                    clip_ratio_low=al.clip_ratio_low,
+                    clip_ratio_high=al.clip_ratio_high,
+                    loss_agg_mode=al.loss_agg_mode,
+                    loss_scale_factor=float(cfg.rollout.max_response_len),
+                )
+                loss.backward()
+        except user_code.UserCodeError as e:
+            out.append(str(e))
+        except Exception as e:  # the user's function failed on the small batch
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            text = (
+                first
+                if first.startswith(key)
+                else f"{key}: {value} failed on a batch of 4 samples: {type(e).__name__}: {first}"
+            )
+            out.append(text)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

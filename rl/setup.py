@@ -39,8 +39,12 @@ def resolve_model_paths(cfg: SparkConfig) -> tuple[str, str]:
     if tiny.arch:
         from rl.tiny import make_tiny
 
-        path = str(make_tiny(tiny.arch, seed=tiny.seed, sft=tiny.sft or None))
-        return path, path
+        path = make_tiny(tiny.arch, seed=tiny.seed, sft=tiny.sft or None)
+        if tiny.quantize:
+            from rl.quantize import quantized_copy
+
+            path = quantized_copy(path, tiny.quantize)
+        return str(path), str(path)
     return _for_workers(cfg.model.path), _for_workers(cfg.model.rollout_path or cfg.model.path)
 
 
@@ -68,7 +72,7 @@ def load_prompts_for(cfg: SparkConfig, spec: str, tokenizer, split: str, rows: i
             "ops": a.ops,
         }
         options = {k: v for k, v in defaults.items() if k not in query}
-    source = load_source(spec, **options)
+    source = load_source(spec, text_answers=reward_spec(cfg).needs_text, **options)
     prompts, dropped = tokenize_prompts(
         source.dataset,
         tokenizer,
@@ -156,8 +160,26 @@ def prompt_requests(prompts: list[Prompt], offset: int = 0) -> list:
     from rollout.spec import PromptRequest
 
     return [
-        PromptRequest(p.prompt_ids, offset + i, p.data_source, p.ground_truth) for i, p in enumerate(prompts)
+        PromptRequest(p.prompt_ids, offset + i, p.data_source, p.ground_truth_text)
+        for i, p in enumerate(prompts)
     ]
+
+
+def reward_spec(cfg: SparkConfig):
+    """The run's scoring (`rl.reward.RewardSpec`) from the `reward:` section."""
+    from rl.reward import RewardSpec
+
+    return RewardSpec.of_config(cfg.reward)
+
+
+def build_reward(cfg: SparkConfig, log_dir: Path):
+    """The reward pool (`rl.reward.RewardPool`); the first traceback of each checker goes to
+    `<log_dir>/reward.log`."""
+    from rl.reward import RewardPool
+
+    return RewardPool(
+        cfg.reward.num_workers, cfg.reward.timeout_s, reward_spec(cfg), log_path=log_dir / "reward.log"
+    )
 
 
 def sampling_spec(cfg: SparkConfig, seed: int, eval: bool = False):
@@ -214,7 +236,7 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
     rc = rollout_correction_caps(cfg)  # algorithm.rollout_correction at rollout.max_staleness
     algo_cfg = AlgoConfig(
         adv_estimator=a.adv_estimator,
-        loss_mode=a.policy_loss,
+        loss_mode=a.policy_loss,  # an import path (its file absolute since load_config): each rank resolves it
         clip_ratio_low=a.clip_ratio_low,
         clip_ratio_high=a.clip_ratio_high,
         clip_ratio_c=a.clip_ratio_c,
@@ -318,8 +340,6 @@ def workers_start_together(cfg: SparkConfig) -> bool:
 def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
     from transformers import AutoTokenizer
 
-    from rl.reward import RewardPool
-
     owns_ray = init_ray(cfg, run_dir / "logs")
     with waiting_for_resources(cfg, "the placement group", placement_group_name(cfg)):
         place = create_placement(cfg)  # a bad GPU layout fails here, before any data is read
@@ -343,7 +363,7 @@ def build_components(cfg: SparkConfig, run_dir: Path) -> Components:
             rollout = build_rollout(cfg, place, rollout_path)
         with waiting_for_resources(cfg, "the trainer ranks", trainer_group_name(cfg)):
             trainer = build_trainer(cfg, place, spec)
-    reward = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.backend)
+    reward = build_reward(cfg, run_dir / "logs")
     return Components(
         tokenizer,
         train_prompts,

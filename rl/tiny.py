@@ -139,7 +139,13 @@ def _family_sources(arch: str) -> list[Path]:
     return [f for f in sorted(registry.family_dir(family).glob("*.py")) if f not in vllm]
 
 
-def make_tiny(arch: str, out: str | Path | None = None, seed: int = 0, sft: str | None = None) -> Path:
+def make_tiny(
+    arch: str,
+    out: str | Path | None = None,
+    seed: int = 0,
+    sft: str | None = None,
+    quantize: str | None = None,
+) -> Path:
     """Build (or take from the cache) a tiny model; copy it to `out` when given. Returns the model dir.
 
     `sft="arith"` fine-tunes it on noisy arithmetic (rl.tiny_sft) so that its sampled accuracy on
@@ -153,19 +159,15 @@ def make_tiny(arch: str, out: str | Path | None = None, seed: int = 0, sft: str 
         raise ValueError(f"make-tiny: --sft must be 'arith' or absent, got {sft!r}")
     cached = cache_dir() / "tiny" / f"{arch}-s{seed}{'-' + sft if sft else ''}-{cache_key(arch, seed, sft)}"
     if not (cached / "config.json").exists():
-        with _build_lock(cached):
+        with build_lock(cached):
             # Another process (a parallel test worker, a second run) may have built it while this one waited.
             if not (cached / "config.json").exists():
                 _build_into(cached, arch, seed, sft)
-    if out is None:
-        return cached
-    out = Path(out)
-    _copy_atomically(cached, out)
-    return out
+    return cached if out is None else copy_model(cached, out)
 
 
 @contextlib.contextmanager
-def _build_lock(target: Path):
+def build_lock(target: Path):
     """One builder of `target` at a time on this machine: a second waits, then finds the model built
     (the SFT'd MoE takes minutes of both cores; building it twice at once doubles them)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -197,7 +199,9 @@ def _build_into(target: Path, arch: str, seed: int, sft: str | None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _copy_atomically(src: Path, dst: Path) -> None:
+def copy_model(src: Path, dst: str | Path) -> Path:
+    """Copies the model directory `src` to `dst` through a temporary sibling and a rename; returns `dst`."""
+    dst = Path(dst)
     if dst.exists() and not (dst / "config.json").exists() and any(dst.iterdir()):
         raise FileExistsError(
             f"make-tiny: --out {dst} exists and is not a model directory; not overwriting it"
@@ -208,3 +212,4 @@ def _copy_atomically(src: Path, dst: Path) -> None:
     if dst.exists():
         shutil.rmtree(dst)
     os.rename(tmp, dst)
+    return dst

@@ -64,16 +64,23 @@ class _NVFP4Quantizer:
 
     `src`: the checkpoint it converts (every weight name is needed up front: a fused group may span
     shards); `extra_ignore`: compressed-tensors patterns kept unquantized on top of IGNORE, and listed in
-    the written config so that vLLM builds those layers unquantized too."""
+    the written config so that vLLM builds those layers unquantized too; `names`: the weight names, in place
+    of reading them from `src` (a checkpoint written without a source, rl.quantize's make-random)."""
 
-    def __init__(self, src: str | os.PathLike, extra_ignore=()):
+    def __init__(self, src: str | os.PathLike | None, extra_ignore=(), names=None):
         from compressed_tensors.utils.match import match_name
         from compressed_tensors.utils.safetensors_load import get_checkpoint_files, get_weight_map
 
         self.scheme = nvfp4_scheme()
         self._match = match_name
         self.ignore = [*IGNORE, *extra_ignore]
-        self._names = frozenset(get_weight_map(get_checkpoint_files(str(src))))
+        if names is None:
+            names = get_weight_map(get_checkpoint_files(str(src)))
+        self._names = frozenset(names)
+
+    def targeted(self, name: str, t: torch.Tensor) -> bool:
+        """Whether weight `name` (a tensor, or a meta tensor of its shape) is stored as the NVFP4 triple."""
+        return self._targeted(name, t)
 
     def _targeted(self, name: str, t: torch.Tensor) -> bool:
         module, _, param = name.rpartition(".")

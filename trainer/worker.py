@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from rl.core import algo
+from rl.core import algo, user_code
 from rl.core.adapter_files import read_peft_dir
 from rl.core.batch import RoutingLost, Sample
 from rl.core.compat import hf_checkpoint_state_dict
@@ -79,6 +79,9 @@ class TrainerWorker:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, spec: TrainerSpec):
         capture(f"trainer-rank{rank}")  # this rank's own output into the run's logs/ (rl/core/worker_logs.py)
         self.rank, self.world_size, self.spec = rank, world_size, spec
+        # A loss named by import path is resolved here, in this rank's process: a missing file or name fails
+        # the group's start, not its first step.
+        algo.policy_loss_fn(spec.algo.loss_mode)
         use_cuda = torch.cuda.is_available()
         if use_cuda:
             local = int(os.environ.get("LOCAL_RANK", 0))  # Ray sets CUDA_VISIBLE_DEVICES to one GPU
@@ -483,8 +486,13 @@ class TrainerWorker:
         lr = self.optimizer.param_groups[0]["lr"]
         shares = ["actor/pg_loss"] + (["actor/kl_loss"] if a.kl_coef else [])
         shares += ["actor/entropy_loss"] if a.entropy_coeff else []
-        weighted = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy")
+        # A loss of the user's own (an import path) reports what it likes: every metric it returns is a
+        # token-weighted mean over the micro-batches that returned it, keys agreed over the ranks below.
+        own_loss = user_code.is_import_path(a.loss_mode)
+        weighted = ("actor/entropy",) if own_loss else ("actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy")
         sums = dict.fromkeys(shares + list(weighted), 0.0)
+        own_sums: dict[str, float] = {}
+        own_tokens: dict[str, float] = {}
         for (_, idx, _), p in zip(mbs, prepared):
             with self._routing(p.mb):
                 logp, ent = self._forward(p.mb, with_entropy=not p.dummy, entropy_grad=bool(a.entropy_coeff))
@@ -504,6 +512,9 @@ class TrainerWorker:
                 sums[key] += m[key]  # already this micro-batch's share of the mini-batch's loss
             for key in weighted:
                 sums[key] += m[key] * n  # micro-batch means -> token-weighted means over the mini-batch
+            for key in m.keys() - sums.keys() if own_loss else ():
+                own_sums[key] = own_sums.get(key, 0.0) + m[key] * n
+                own_tokens[key] = own_tokens.get(key, 0.0) + n
         # TIS/MIS metrics: token-weighted over the mini-batch; the key list is fixed by the config so that
         # every rank all-reduces the same list.
         corr_keys = self._correction_keys()
@@ -521,6 +532,8 @@ class TrainerWorker:
             metrics[key] /= tokens
         for key in corr_keys:
             metrics[key] /= max(reduced[-1], 1.0)
+        if own_loss:
+            metrics.update(self._own_loss_metrics(own_sums, own_tokens))
 
         grad_norm = self._clip_gradients()
         skipped = not np.isfinite(grad_norm)
@@ -529,6 +542,18 @@ class TrainerWorker:
         self.scheduler.step()
         metrics.update({"actor/grad_norm": grad_norm, "lr": lr, "skipped": skipped})
         return metrics, mbs
+
+    def _own_loss_metrics(self, sums: dict[str, float], tokens: dict[str, float]) -> dict[str, float]:
+        """The metrics of a loss of the user's own: each key's token-weighted mean over every rank's
+        micro-batches that returned it. The key lists are gathered first, as ranks may differ (a rank
+        whose micro-batches are all padding calls no loss)."""
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, sorted(sums))
+        keys = sorted(set().union(*every))
+        if not keys:
+            return {}
+        reduced = self._all_reduce([sums.get(k, 0.0) for k in keys] + [tokens.get(k, 0.0) for k in keys])
+        return {k: reduced[i] / reduced[len(keys) + i] for i, k in enumerate(keys) if reduced[len(keys) + i]}
 
     def _clip_gradients(self) -> float:
         grads = [p.grad for p in self.params if p.grad is not None]

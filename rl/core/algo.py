@@ -18,6 +18,7 @@ How a trainer makes the loss independent of how a batch is split over ranks and 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from torch.utils.checkpoint import checkpoint
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 from verl.workers.config import ActorConfig
+
+from rl.core import user_code
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3", "k1+", "k3+")  # verl's names; "+" = k2 gradient with a k1/k3 value
@@ -152,16 +155,57 @@ def _rloo(rewards: torch.Tensor, ids: np.ndarray, eps: float) -> torch.Tensor:
     return _outcome_advantage(core_algos.compute_rloo_outcome_advantage, rewards, ids, epsilon=eps)
 
 
+@functools.cache
+def _user_function(key: str, value: str):
+    return user_code.resolve(key, value)
+
+
+def adv_estimator_fn(estimator: str) -> AdvEstimator:
+    """A registered estimator, or one named by import path (`file.py:name`, `module:name`) with verl's
+    `compute_*_advantage` signature, called as verl's trainer calls it: keyword arguments
+    `token_level_rewards` [B, 1] (an outcome reward is one token's), `response_mask` [B, 1], `index` (the
+    group ids, numpy) and `config` (None); it returns (advantages, returns) or advantages, [B, 1] or [B]."""
+    if estimator in ADV_ESTIMATORS:
+        return ADV_ESTIMATORS[estimator]
+    if user_code.is_import_path(estimator):
+        return functools.partial(
+            _user_advantage, _user_function("algorithm.adv_estimator", estimator), estimator
+        )
+    raise ValueError(
+        f"unknown advantage estimator {estimator!r}; known: {sorted(ADV_ESTIMATORS)}, or an import path "
+        "(`file.py:name`, `module:name`)"
+    )
+
+
+def _user_advantage(fn, name: str, rewards: torch.Tensor, ids: np.ndarray, eps: float) -> torch.Tensor:
+    col = rewards.reshape(-1, 1)
+    out = fn(token_level_rewards=col, response_mask=torch.ones_like(col), index=ids, config=None)
+    adv = out[0] if isinstance(out, tuple | list) else out
+    if not isinstance(adv, torch.Tensor):
+        raise TypeError(
+            f"algorithm.adv_estimator: {name} returned {type(adv).__name__}; expected a tensor [B, 1] or "
+            "[B] (or a tuple (advantages, returns))"
+        )
+    if adv.shape not in ((len(rewards), 1), (len(rewards),)):
+        raise ValueError(
+            f"algorithm.adv_estimator: {name} returned shape {tuple(adv.shape)}; expected "
+            f"[{len(rewards)}, 1] or [{len(rewards)}]"
+        )
+    adv = adv.reshape(-1).to(rewards)
+    if not torch.isfinite(adv).all():
+        raise ValueError(f"algorithm.adv_estimator: {name} returned NaN/inf advantages")
+    return adv
+
+
 def compute_advantages(rewards, group_ids, estimator: str = "grpo", eps: float = 1e-6) -> torch.Tensor:
     """rewards [B] float, group_ids [B] (tensor, list or array; one id per prompt) -> advantages [B],
-    on the rewards' device."""
-    if estimator not in ADV_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; known: {sorted(ADV_ESTIMATORS)}")
+    on the rewards' device. `estimator`: a registered name or an import path (`adv_estimator_fn`)."""
+    fn = adv_estimator_fn(estimator)
     rewards, ids = _check_rewards(rewards, group_ids)
     # verl's estimators loop over samples in Python: on CPU that is ~0.1 s for 8k samples, on a GPU it
     # would be thousands of tiny kernels. float64: in float32 the mean of equal rewards can miss them by
     # an ulp, and that ulp divided by (std ~ 0) + eps gives a group of equal rewards advantages of ~0.2.
-    return ADV_ESTIMATORS[estimator](rewards.cpu().double(), ids, eps).to(rewards)
+    return fn(rewards.cpu().double(), ids, eps).to(rewards)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -355,6 +399,21 @@ for _name, _verl_name in (("vanilla", "vanilla"), ("ppo", "vanilla"), ("gspo", "
     register_policy_loss(_name)(core_algos.get_policy_loss_fn(_verl_name))
 
 
+def policy_loss_fn(loss_mode: str) -> core_algos.PolicyLossFn:
+    """A registered loss, or one named by import path (`file.py:name`, `module:name`) with verl's
+    PolicyLossFn signature: `(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+    rollout_is_weights) -> (loss, metrics)`, config being verl's ActorConfig (`config.global_batch_info`
+    for `core_algos.agg_loss`). Resolved in the process that calls it (each trainer rank)."""
+    if loss_mode in POLICY_LOSSES:
+        return POLICY_LOSSES[loss_mode]
+    if user_code.is_import_path(loss_mode):
+        return _user_function("algorithm.policy_loss", loss_mode)
+    raise ValueError(
+        f"unknown loss_mode {loss_mode!r}; known: {sorted(POLICY_LOSSES)}, or an import path "
+        "(`file.py:name`, `module:name`)"
+    )
+
+
 def loss_normalisers(loss_mask: torch.Tensor) -> tuple[int, int]:
     """loss_mask [B, T] -> (tokens, sequences with at least one token), agg_loss's definitions. Sum both
     over all micro-batches and ranks of an optimizer step and pass them to `policy_loss`."""
@@ -425,8 +484,7 @@ class LossConfig:
         )
 
     def __post_init__(self):
-        if self.loss_mode not in POLICY_LOSSES:
-            raise ValueError(f"unknown loss_mode {self.loss_mode!r}; known: {sorted(POLICY_LOSSES)}")
+        policy_loss_fn(self.loss_mode)  # an unknown name, or code that cannot be had, fails here
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; known: {LOSS_AGG_MODES}")
         if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0 and self.clip_ratio_c > 1):
@@ -499,11 +557,19 @@ def compute_loss(inputs: LossInputs, config: LossConfig) -> LossOutputs:
     mask = m.to(log_prob.dtype)
     batch_info, agg = config.batch_info, config.loss_agg_mode
 
-    loss, verl_metrics = POLICY_LOSSES[config.loss_mode](
+    out = policy_loss_fn(config.loss_mode)(
         old_log_prob, log_prob, advantages, mask, agg, config.actor, is_weights
     )
+    if not (
+        isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) and out[0].dim() == 0
+    ):
+        raise TypeError(
+            f"policy loss {config.loss_mode!r} returned {type(out).__name__}; expected (scalar loss tensor, "
+            "metrics dict), verl's PolicyLossFn"
+        )
+    loss, verl_metrics = out
     metrics = {"actor/pg_loss": float(loss.detach())}
-    metrics.update(verl_metrics)
+    metrics.update({k: float(v) for k, v in (verl_metrics or {}).items()})
 
     if config.kl_coef:
         if inputs.ref_log_prob is None:

@@ -14,8 +14,10 @@ class Registered:
     when they are checked: one list of names, the code's own, and a config loads without importing the
     module until it is validated."""
 
-    def __init__(self, module: str, name: str):
-        self.module, self.name = module, name
+    def __init__(self, module: str, name: str, import_paths: bool = False):
+        # import_paths: a value with a ':' (`file.py:name`, `module:name`, rl.core.user_code) passes too; its
+        # form is checked on load and the code itself where it runs (the preflight first).
+        self.module, self.name, self.import_paths = module, name, import_paths
 
     def __iter__(self):
         import importlib

@@ -8,7 +8,9 @@ checkpoint restores exactly where the data stood.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -17,8 +19,25 @@ import numpy as np
 class Prompt:
     prompt_ids: list[int]
     data_source: str
-    ground_truth: str
+    ground_truth: Any  # reward_model.ground_truth as the row holds it (text for the math checkers)
     index: int  # row in the source dataset
+    # The row's extra_info, with the prompt's chat messages under "prompt" unless the row has that key:
+    # what a reward function of the user's own receives (rl.reward).
+    extra_info: dict = field(default_factory=dict)
+
+    @property
+    def ground_truth_text(self) -> str:
+        """The ground truth as the samples, records and reports show it: the text, or the value's JSON."""
+        gt = self.ground_truth
+        return gt if isinstance(gt, str) else json.dumps(gt, ensure_ascii=False, default=str)
+
+
+def reward_extra_info(row: dict, prompt_key: str = "prompt") -> dict:
+    """What a reward function of the user's own gets as `extra_info`: the row's, plus its chat messages under
+    "prompt" (unless the row's extra_info has that key)."""
+    extra = dict(row.get("extra_info") or {})
+    extra.setdefault("prompt", row[prompt_key])
+    return extra
 
 
 def tokenize_prompts(
@@ -44,7 +63,8 @@ def tokenize_prompts(
         if len(ids) > max_prompt_len:
             dropped += 1
             continue
-        kept.append(Prompt(list(ids), row["data_source"], str(row["reward_model"]["ground_truth"]), i))
+        extra = reward_extra_info(row, prompt_key)
+        kept.append(Prompt(list(ids), row["data_source"], row["reward_model"]["ground_truth"], i, extra))
     if not kept:
         raise ValueError(
             f"rollout.max_prompt_len: all {dropped} prompts are longer than {max_prompt_len} tokens"

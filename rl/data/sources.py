@@ -3,7 +3,8 @@
 One entry, `load_prompts(spec, **options)`, returns a `datasets.Dataset` whose rows are
 
     data_source: str, prompt: [{"role", "content"}, ...], ability: str,
-    reward_model: {"style", "ground_truth": str}, extra_info: {...}
+    reward_model: {"style", "ground_truth": str (any JSON value for rows a function of your own scores)},
+    extra_info: {...}
 
 Spec format: `SOURCE[?key=value&key=value...]`; keyword arguments override the query.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,8 +94,14 @@ def load_prompts(spec: str, **options: Any) -> datasets.Dataset:
     return load_source(spec, **options).dataset
 
 
-def load_source(spec: str, **options: Any) -> PromptSource:
-    """Like `load_prompts`, plus the origin, the detected schema and the dedup count."""
+def load_source(spec: str, text_answers: bool | Callable[[str], bool] = True, **options: Any) -> PromptSource:
+    """Like `load_prompts`, plus the origin, the detected schema and the dedup count.
+
+    text_answers: whether the rows of a data source need `reward_model.ground_truth` as text (the math
+    checkers do): True for every row, or a function of the row's data_source. Those rows' answers are
+    checked and made stripped strings (numbers converted); the others keep the value the row holds, of any
+    type, null included (a function of the user's own scores them), unless a text row shares a column of
+    numbers with them, which then becomes text for all."""
     location, query = parse_spec(spec)
     if location.startswith(SYNTHETIC_PREFIX):
         opts = _typed_options(spec, {**query, **options}, _SYNTHETIC_OPTIONS)
@@ -114,7 +122,7 @@ def load_source(spec: str, **options: Any) -> PromptSource:
         raise FileNotFoundError(
             f"prompt source {spec!r}: no such file or directory, and {location!r} is not a hub id (owner/name)"
         )
-    return _to_verl(table, origin, default_source, opts, rows)
+    return _to_verl(table, origin, default_source, opts, rows, text_answers)
 
 
 def hub_dataset(location: str) -> str | None:
@@ -234,7 +242,12 @@ def _read_hub(hub_id: str, split: str, config: str | None) -> tuple[pa.Table, st
 
 
 def _to_verl(
-    table: pa.Table, origin: str, default_source: str, opts: dict[str, Any], rows: RowNames
+    table: pa.Table,
+    origin: str,
+    default_source: str,
+    opts: dict[str, Any],
+    rows: RowNames,
+    text_answers: bool | Callable[[str], bool] = True,
 ) -> PromptSource:
     if table.num_rows == 0:
         raise ValueError(f"{origin}: the dataset is empty (no rows)")
@@ -265,7 +278,7 @@ def _to_verl(
         table = table.take(pa.array(kept))
 
     if schema == "verl":
-        table = _normalise_verl(table, problems, kept, opts.get("data_source"), default_source)
+        table = _normalise_verl(table, problems, kept, opts.get("data_source"), default_source, text_answers)
     else:
         table = _raw_to_verl(
             table, problem_key, answer_key, id_key, problems, kept, opts.get("data_source") or default_source
@@ -449,15 +462,55 @@ def _answers_as_strings(
     return out.cast(pa.string())
 
 
+def _text_rows(
+    table: pa.Table, data_source: str | None, default_source: str, text_answers: bool | Callable[[str], bool]
+) -> np.ndarray:
+    """Which rows need their answer as text: `text_answers` of each row's data source (as it will be after
+    `data_source=` or the default fills it in)."""
+    n = table.num_rows
+    if isinstance(text_answers, bool):
+        return np.full(n, text_answers)
+    if data_source is not None or "data_source" not in table.column_names:
+        return np.full(n, bool(text_answers(data_source or default_source)))
+    column = table["data_source"]
+    if not _is_str(column.type):
+        return np.full(n, True)  # reported as a problem of the column; the answers are checked as text
+    values = column.to_pylist()
+    wanted = {v: bool(text_answers(v)) for v in set(values) if v is not None}
+    return np.array([wanted.get(v, True) for v in values], dtype=bool)
+
+
+def _ground_truth(
+    col: pa.ChunkedArray, text: np.ndarray, rows: np.ndarray, problems: Problems
+) -> pa.Array | None:
+    """reward_model.ground_truth with the rows in `text` made (checked) text; the others as they are."""
+    if text.all():
+        return _answers_as_strings(col, "reward_model.ground_truth", rows, problems)
+    if not text.any():
+        return col.combine_chunks()
+    sub = pc.filter(col, pa.array(text))
+    converted = _answers_as_strings(sub, "reward_model.ground_truth", rows[text], problems)
+    if converted is None:
+        return None
+    if _is_str(col.type):
+        trimmed = pc.utf8_trim_whitespace(col)
+        return pc.if_else(pa.array(text), trimmed, col).combine_chunks().cast(pa.string())
+    # A column of numbers shared with text rows: text for all (the column holds one type).
+    return pc.cast(col, pa.string()).combine_chunks()
+
+
 def _normalise_verl(
-    table: pa.Table, problems: Problems, rows: np.ndarray, data_source: str | None, default_source: str
+    table: pa.Table,
+    problems: Problems,
+    rows: np.ndarray,
+    data_source: str | None,
+    default_source: str,
+    text_answers: bool | Callable[[str], bool] = True,
 ) -> pa.Table:
     reward_model = table["reward_model"].combine_chunks()
-    ground_truth = _answers_as_strings(
-        pa.chunked_array([pc.struct_field(reward_model, "ground_truth")]),
-        "reward_model.ground_truth",
-        rows,
-        problems,
+    text = _text_rows(table, data_source, default_source, text_answers)
+    ground_truth = _ground_truth(
+        pa.chunked_array([pc.struct_field(reward_model, "ground_truth")]), text, rows, problems
     )
     if data_source is None and "data_source" in table.column_names:
         if not _is_str(table["data_source"].type):
@@ -470,7 +523,8 @@ def _normalise_verl(
                 table["data_source"], rows, "data_source", problems, "a string (or data_source= in the spec)"
             )
     problems.raise_if_any()
-    ground_truth = ground_truth.combine_chunks()
+    if isinstance(ground_truth, pa.ChunkedArray):
+        ground_truth = ground_truth.combine_chunks()
     names = [f.name for f in reward_model.type]
     fields = [ground_truth if n == "ground_truth" else pc.struct_field(reward_model, n) for n in names]
     if "style" not in names:

@@ -328,7 +328,10 @@ def test_choices_are_the_registries_names(tmp_path):
     for name in algo.POLICY_LOSSES:
         assert load_config(recipe(tmp_path), [f"algorithm.policy_loss={name}"]).algorithm.policy_loss == name
     msg = error(recipe(tmp_path), ["algorithm.adv_estimator=grpp"])
-    assert "expected one of 'grpo', 'drgrpo', 'rloo', got 'grpp' (did you mean 'grpo'?)" in msg
+    assert (
+        "expected one of 'grpo', 'drgrpo', 'rloo', or an import path (`file.py:name`, `module:name`), "
+        "got 'grpp' (did you mean 'grpo'?)"
+    ) in msg
 
 
 def test_expert_layout_reaches_the_engine(tmp_path):

@@ -32,6 +32,7 @@ DRIVER_READS = {
     "model.make_tiny.arch": "rl.setup.resolve_model_paths",
     "model.make_tiny.sft": "rl.setup.resolve_model_paths",
     "model.make_tiny.seed": "rl.setup.resolve_model_paths",
+    "model.make_tiny.quantize": "rl.setup.resolve_model_paths",
     # resolved against the checkpoint: on the test's BF16 models every valid value gives bf16
     "trainer.base_format": "rl.setup.trainer_spec",
     "resources.gpu_memory_gib": "rl.plan.make_plan",
@@ -56,9 +57,14 @@ DRIVER_READS = {
     "data.arith.num_terms": "rl.setup.load_prompts_for",
     "data.arith.max_operand": "rl.setup.load_prompts_for",
     "data.arith.ops": "rl.setup.load_prompts_for",
-    "reward.backend": "rl.setup.build_components",
-    "reward.timeout_s": "rl.setup.build_components",
-    "reward.num_workers": "rl.setup.build_components",
+    "reward.backend": "rl.reward.RewardSpec.of_config",
+    "reward.function": "rl.reward.RewardSpec.of_config",
+    "reward.kwargs": "rl.reward.RewardSpec.of_config",
+    "reward.batched": "rl.reward.RewardSpec.of_config",
+    "reward.by_source": "rl.reward.RewardSpec.of_config",
+    "reward.max_error_fraction": "rl.driver.Run._check_reward_errors",
+    "reward.timeout_s": "rl.setup.build_reward",
+    "reward.num_workers": "rl.setup.build_reward",
     "eval.every": "rl.driver.Run._eval_due",
     "eval.data": "rl.setup.build_components",
     "eval.at_start": "rl.driver.Run.train",
@@ -78,8 +84,8 @@ DRIVER_READS = {
     "logging.rollouts_max_chars": "rl.driver.Run._record_rollouts",
     "resources.ray_address": "rl.setup.init_ray",
     # The machines' shape: the bound on resources.num_gpus and `sparkrl plan`'s rank advice.
-    "resources.nodes": "rl.plan._ranks_hint",
-    "resources.gpus_per_node": "rl.plan._ranks_hint",
+    "resources.nodes": "rl.plan._ranks_change",
+    "resources.gpus_per_node": "rl.plan._ranks_change",
 }
 
 
@@ -117,12 +123,19 @@ def _candidates(path: str, value):
     if tp is float:
         return [value * 2, value / 2, value + 0.1, 0.5, 0.1, 1.0, 2.0, 0.0]
     if tp is str:
-        return ["synthetic:arith?limit=16", r"model\.layers\.0\.self_attn\.q_proj", "*", "other", "x"]
+        return [
+            "synthetic:arith?limit=16",
+            r"model\.layers\.0\.self_attn\.q_proj",
+            "*",
+            "other",
+            "x",
+            "pkg.mod:fn",
+        ]
     if typing.get_origin(tp) is list:
         item = typing.get_args(tp)[0]
         return [[0.8, 0.99]] if item is float else [["q_proj"], ["q_proj", "v_proj"]]
     if typing.get_origin(tp) is dict:
-        return [{"enable_thinking": False}]
+        return [{"enable_thinking": False}, {"synthetic/arith": "math_verify"}]
     raise AssertionError(f"{path}: no candidate values for type {tp}")
 
 
@@ -194,6 +207,8 @@ def _reads(function: str, leaf: str) -> bool:
 def bases():
     return [
         load_config("demo_cpu", ["run.name=t", "trainer.mini_batch_size=16", "trainer.ppo_epochs=2"]),
+        # a reward function of one's own: reward.kwargs and reward.batched apply only then
+        load_config("demo_cpu", ["run.name=t", "reward.function=pkg.mod:fn"]),
         load_config(
             "qwen3_30b_a3b_dapo_lora",
             [

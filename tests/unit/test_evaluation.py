@@ -54,6 +54,9 @@ EXPECTED = {
     "val-core/synthetic/arith/acc/mean@2": 0.75,
     "val-core/synthetic/arith/acc/maj@2": 0.5,
     "val-core/synthetic/arith/acc/best@2": 1.0,
+    # the scores (+1 right, -1 wrong) averaged: 2 * mean@k - 1
+    "val-core/aime/reward/mean@4": 2 * (0.5 + 0 + 0.25) / 3 - 1,
+    "val-core/synthetic/arith/reward/mean@2": 0.5,
 }
 
 
@@ -166,7 +169,12 @@ def test_records_from_samples_number_samples_within_groups():
     ]
     assert records[0].response_length == 3 and records[1].score == -1.0
     assert eval_metrics(records) == pytest.approx(
-        {"val-core/aime/acc/mean@2": 0.5, "val-core/aime/acc/maj@2": 0.5, "val-core/aime/acc/best@2": 1.0}
+        {
+            "val-core/aime/acc/mean@2": 0.5,
+            "val-core/aime/acc/maj@2": 0.5,
+            "val-core/aime/acc/best@2": 1.0,
+            "val-core/aime/reward/mean@2": 0.0,
+        }
     )
     unscored = _scored(2, "5", T)
     unscored.acc = None
