@@ -941,6 +941,22 @@ def validate(cfg: SparkConfig) -> list[tuple[str, str]]:
         "data.arith.ops",
         f"must be a non-empty string over '+', '-', '*', got {da.arith.ops!r}",
     )
+    ep = tr.expert_parallel_size
+    need(
+        tr.num_ranks % ep == 0,
+        "trainer.expert_parallel_size",
+        f"must divide trainer.num_ranks ({tr.num_ranks}), got {ep}",
+    )
+    # Trainer rank r sits on node r // gpus_per_node (rl/placement.py packs the bundles node by node), and an
+    # EP group is `ep` consecutive ranks: its all-to-all stays within a node only if gpus_per_node splits
+    # into whole groups.
+    need(
+        res.num_gpus == 0 or tr.num_ranks <= res.gpus_per_node or res.gpus_per_node % ep == 0,
+        "trainer.expert_parallel_size",
+        f"{ep} consecutive trainer ranks would span nodes of resources.gpus_per_node={res.gpus_per_node} "
+        f"(trainer.num_ranks={tr.num_ranks}); an expert-parallel group must lie within one node: use a "
+        "divisor of resources.gpus_per_node",
+    )
     need(
         res.num_gpus <= res.nodes * res.gpus_per_node,
         "resources.num_gpus",

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.config import SparkConfig
-from rl.core.model_info import is_moe
+from rl.core.model_info import is_moe, num_experts
 from rl.metrics import tracker_problems
 from rl.models import registry
 
@@ -147,6 +147,7 @@ def check_model(cfg: SparkConfig, problems: list[str], hub: Hub | None = None, t
         moe = None if family is None else family.tiny_is_moe
         model_type = "" if family is None else family.model_types[0]
         what = f"model.make_tiny.arch={tiny.arch}"
+        experts = None if family is None or family.tiny is None else num_experts(family.tiny.kwargs)
     else:
         config = model_config("model.path", cfg.model.path, problems, hub)
         if cfg.model.rollout_path:
@@ -156,6 +157,9 @@ def check_model(cfg: SparkConfig, problems: list[str], hub: Hub | None = None, t
         model_type = registry.config_model_type(config or {})
         arch = ", ".join((config or {}).get("architectures") or []) or "the model"
         what = f"{cfg.model.path} ({arch})"
+        experts = None
+        if config is not None:
+            experts = max(num_experts(config), num_experts(config.get("text_config") or {}))
     if train and moe and cfg.r3.enabled and not (family and family.routers):
         if family is None:
             where = "no family in rl/models/ claims it"
@@ -168,6 +172,18 @@ def check_model(cfg: SparkConfig, problems: list[str], hub: Hub | None = None, t
             f"its routing cannot be replayed; set r3.enabled=false to train without routing replay, or {fix} "
             "(docs/design.md, Models)"
         )
+    ep = cfg.trainer.expert_parallel_size
+    if train and ep > 1 and experts is not None:
+        if not experts:
+            problems.append(
+                f"trainer.expert_parallel_size: {ep}, but {what} is dense (no experts to spread); set "
+                "trainer.expert_parallel_size=1"
+            )
+        elif experts % ep:
+            problems.append(
+                f"trainer.expert_parallel_size: {ep} does not divide the expert count of {what} ({experts} "
+                "routed experts a layer); use a divisor of it"
+            )
     if moe is False:
         if cfg.lora.target_experts:
             problems.append(

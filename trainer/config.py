@@ -15,6 +15,16 @@ class TrainerConfig:
     total_steps: int = _f(100, "Training steps (one batch of prompts each).", ge=1)
     num_ranks: int = _f(1, "Trainer processes (one per GPU; gloo processes on CPU).", ge=1)
     lr: float = _f(1.0e-5, "Peak learning rate of the LoRA parameters.", gt=0)
+    expert_parallel_size: int = _f(
+        1,
+        "Expert parallelism (EP): each MoE layer's routed experts (the frozen bank and their LoRA) are split "
+        "over groups of this many consecutive trainer ranks, each rank holding num_experts / EP of them and "
+        "never gathering the others; tokens travel to their experts by all-to-all. Must divide "
+        "`trainer.num_ranks` and the model's expert count, and, on GPUs, a group must lie within one node "
+        "(`resources.gpus_per_node`). The experts are FSDP-sharded over the `trainer.num_ranks` / EP ranks "
+        "that hold the same ones; everything else over all ranks, as with 1.",
+        ge=1,
+    )
     lr_schedule: str = _f("constant", "Schedule after warm-up.", ("constant", "cosine"))
     warmup_steps: int = _f(0, "Linear warm-up from 0 to `trainer.lr`, in optimizer steps.", ge=0)
     min_lr_ratio: float = _f(

@@ -28,7 +28,7 @@ from torch import nn
 ADAPTED = ("gate_up_proj", "down_proj")
 
 
-def _wrapper_chain(outer: ParamWrapper) -> tuple[list[ParamWrapper], nn.Module]:
+def wrapper_chain(outer: ParamWrapper) -> tuple[list[ParamWrapper], nn.Module]:
     """PEFT nests one ParamWrapper per adapted parameter: outermost first, then the experts module."""
     chain, m = [], outer
     while isinstance(m, ParamWrapper):
@@ -154,7 +154,7 @@ class GroupedLoraExperts(ParamWrapper):
     Installed by `use_grouped_expert_lora` (class swap: parameters, names and PEFT's methods unchanged)."""
 
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-        chain, experts = _wrapper_chain(self)
+        chain, experts = wrapper_chain(self)
         adapters = [a for a in self.active_adapters if a in self.lora_A]
         dtype = experts.gate_up_proj.dtype
         # torch.compile traces grouped_mm for bf16 only (its meta function rejects other dtypes)
@@ -183,7 +183,7 @@ def use_grouped_expert_lora(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is not ParamWrapper or id(module) in inner:
             continue  # inner wrappers belong to their outer one's chain
-        chain, experts = _wrapper_chain(module)
+        chain, experts = wrapper_chain(module)
         if any(w.parameter_name not in ADAPTED for w in chain):
             continue
         if not all(_fits_grouped_mm(experts, r) for w in chain for r in w.r.values()):

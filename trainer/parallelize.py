@@ -13,17 +13,24 @@ cheapest recomputation first, within that fraction of the way from keeping only 
 its default, fastest split (1); docs/benchmarks.md (Trainer) has what each setting costs on the H200.
 torch reads the budget from a process-global config when
 it compiles a graph, lazily at the first call (rl/core/compat.py), so it is set for the whole process: a trainer
-worker is a process of its own, with one model."""
+worker is a process of its own, with one model.
+
+The mesh (`make_meshes`): one FSDP dimension over all ranks; with expert parallelism (EP > 1) also a
+(dp, ep) mesh of num_ranks / EP x EP whose ep rows are consecutive ranks. `apply_ep` keeps each rank's
+experts of every MoE layer (trainer/expert_parallel.py), on the meta device before anything is loaded;
+`apply_fsdp` then shards each layer's experts module over the dp sub-mesh (the ranks holding the same
+experts) before the layer itself over all ranks, so FSDP never gathers an expert from another EP rank."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rl.core.compat import set_activation_memory_budget
+from trainer.expert_parallel import ExpertShards, ep_units, shard_experts
 
 DEFAULT_MEMORY_BUDGET = 1.0  # torch's own: the partitioner's fastest split
 
@@ -51,8 +58,46 @@ def apply_compile(layers: nn.ModuleList, backend: str) -> None:
         layer.compile(dynamic=True, backend=backend)
 
 
-def apply_fsdp(model: nn.Module, layers: nn.ModuleList, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> None:
+def make_meshes(device_type: str, world_size: int, expert_parallel_size: int = 1):
+    """(mesh over all ranks, the (dp, ep) mesh or None without expert parallelism). Rank r sits at
+    (r // EP, r % EP): an EP group is EP consecutive ranks."""
+    mesh = init_device_mesh(device_type, (world_size,))
+    if expert_parallel_size == 1:
+        return mesh, None
+    ep_mesh = init_device_mesh(
+        device_type,
+        (world_size // expert_parallel_size, expert_parallel_size),
+        mesh_dim_names=("dp", "ep"),
+    )
+    return mesh, ep_mesh
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, num_experts: int) -> ExpertShards:
+    """Keeps this rank's experts of every MoE layer (bank and LoRA) and installs the all-to-all dispatch and
+    combine; call before activation checkpointing and FSDP wrap the layers."""
+    shards = ExpertShards(
+        size=ep_mesh["ep"].size(),
+        rank=ep_mesh["ep"].get_local_rank(),
+        num_experts=num_experts,
+        group=ep_mesh["ep"].get_group(),
+    )
+    shard_experts(model, shards)
+    return shards
+
+
+def apply_fsdp(
+    model: nn.Module,
+    layers: nn.ModuleList,
+    mesh: DeviceMesh,
+    mp: MixedPrecisionPolicy,
+    expert_mesh: DeviceMesh | None = None,
+) -> None:
+    """expert_mesh: where expert parallelism is on, the mesh the experts modules are sharded over (the dp
+    sub-mesh: the ranks holding the same experts)."""
     for layer in layers:
+        if expert_mesh is not None:
+            for unit in ep_units(layer):
+                fully_shard(unit, mesh=expert_mesh, mp_policy=mp)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     # The root holds the embeddings, the final norm and the LM head.
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -75,11 +120,12 @@ def parallelize(
     compile: bool = False,
     activation_memory_budget: float = 0.0,
     compile_backend: str = "inductor",
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """model: the root module (the causal LM); layers: its decoder layers. Parameters are computed in
     compute_dtype (bf16 on GPU); gradients are reduced in fp32 onto the sharded fp32 LoRA weights.
     compile_backend: torch.compile's for the layers; the trainer uses inductor, other backends serve tests
-    of the layering.
+    of the layering. expert_mesh: with expert parallelism (`apply_ep` applied), the (dp, ep) mesh.
     activation_memory_budget > 0 with compile: the partitioner's budget instead of whole-layer
     checkpointing, whatever activation_checkpointing says; without compile it is ignored."""
     budgeted = compile and activation_memory_budget > 0
@@ -90,5 +136,5 @@ def parallelize(
     if activation_checkpointing and not budgeted:
         apply_activation_checkpointing(layers)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    apply_fsdp(model, layers, mesh, mp)
+    apply_fsdp(model, layers, mesh, mp, None if expert_mesh is None else expert_mesh["dp"])
     return model

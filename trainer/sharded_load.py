@@ -13,6 +13,10 @@ in transformers 5) are stored per expert on disk; dim 0 is the expert, so a rank
 With `trainer.base_format=nvfp4` the weights an NVFP4 checkpoint holds packed stay packed
 (`pack_frozen_weights` makes them trainer/nvfp4_tensor.py's `NVFP4Weight` before FSDP shards them): a rank
 reads its rows of `weight_packed`, `weight_scale` and `weight_global_scale`, fused the same way.
+
+With expert parallelism (trainer/expert_parallel.py) a rank's expert banks are its EP rank's experts only,
+FSDP-sharded over the ranks holding the same experts: its rows are read at their global expert ids
+(`experts`, the `ExpertShards` of the rank), and their LoRA, held aside already narrowed, as it is.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from trainer.expert_parallel import ExpertShards
 from trainer.lora import base_name, unwrapped_name
 from trainer.nvfp4_tensor import NVFP4Weight
 
@@ -216,10 +221,13 @@ class CheckpointRows:
         return torch.stack(experts)
 
 
-def pack_frozen_weights(model: nn.Module, path: str | Path, world_size: int) -> list[str]:
+def pack_frozen_weights(
+    model: nn.Module, path: str | Path, world_size: int, experts: ExpertShards | None = None
+) -> list[str]:
     """Replaces every (meta, frozen) parameter that the NVFP4 checkpoint at `path` holds packed by an
     `NVFP4Weight` of the same shape and dtype, before FSDP shards it; returns their checkpoint names.
-    FSDP's all-gather extension takes even shards only: a row count world_size does not divide fails here."""
+    FSDP's all-gather extension takes even shards only: a row count world_size does not divide fails here.
+    experts: with expert parallelism, this rank's expert banks are sharded over world_size / EP ranks."""
     names = []
     with CheckpointRows(path) as ckpt:
         index = {id(m): n for n, m in model.named_modules()}
@@ -232,14 +240,17 @@ def pack_frozen_weights(model: nn.Module, path: str | Path, world_size: int) -> 
                 if p.requires_grad:
                     raise ValueError(f"{full}: a trainable parameter cannot stay packed in NVFP4")
                 have, want = ckpt.packed_shape(source), tuple(p.shape)
+                ranks = world_size
+                if experts is not None and experts.is_expert(full):
+                    want, ranks = experts.global_shape(full, want), world_size // experts.size
                 if have != want:
                     raise ValueError(
                         f"{path}: {source} has shape {list(have)}, the model expects {list(want)}"
                     )
-                if p.shape[0] % world_size:
+                if p.shape[0] % ranks:
                     raise ValueError(
                         f"trainer.base_format=nvfp4: {source} has {p.shape[0]} rows on dim 0, which "
-                        f"{world_size} trainer ranks do not divide evenly (FSDP's all-gather extension "
+                        f"{ranks} trainer ranks do not divide evenly (FSDP's all-gather extension "
                         "needs even shards); use trainer.base_format=bf16 or a rank count that divides it"
                     )
                 packed = NVFP4Weight.empty(tuple(p.shape), p.dtype, p.device)
@@ -263,10 +274,15 @@ def _local_rows(param: torch.Tensor) -> tuple[int, int]:
 
 @torch.no_grad()
 def materialize(
-    model: nn.Module, path: str | Path, device: torch.device, kept: dict[str, torch.Tensor]
+    model: nn.Module,
+    path: str | Path,
+    device: torch.device,
+    kept: dict[str, torch.Tensor],
+    experts: ExpertShards | None = None,
 ) -> int:
     """Allocates this rank's shard of every (meta) parameter on `device` and fills it: from `kept` (what
-    `hold_aside` took: LoRA weights, buffers) or else from the checkpoint at `path`.
+    `hold_aside` took: LoRA weights, buffers) or else from the checkpoint at `path`; experts: with expert
+    parallelism, where this rank's experts sit among the checkpoint's.
     Returns the bytes this rank read from the checkpoint."""
     model.to_empty(device=device)
     with CheckpointRows(path) as ckpt:
@@ -274,10 +290,15 @@ def materialize(
             local = param.to_local() if isinstance(param, DTensor) else param
             start, stop = _local_rows(param)
             held = kept.get(unwrapped_name(name))
+            want = tuple(param.shape)
+            offset = 0  # a bank's first global expert on this rank (expert parallelism)
+            if experts is not None and experts.is_expert(unwrapped_name(name)):
+                want = experts.global_shape(unwrapped_name(name), want)
+                offset = experts.first
             if isinstance(local, NVFP4Weight):
                 if local.shape[0] != stop - start:
                     raise RuntimeError(f"{name}: local shard {tuple(local.shape)}, rows {start}:{stop}")
-                triple = ckpt.packed_rows(checkpoint_name(name), start, stop)
+                triple = ckpt.packed_rows(checkpoint_name(name), offset + start, offset + stop)
                 for key, t in triple.items():
                     getattr(local, key).copy_(t)
                 continue
@@ -285,12 +306,12 @@ def materialize(
                 value = held[start:stop] if param.dim() else held
             else:
                 source = checkpoint_name(name)
-                have, want = ckpt.shape(source), tuple(param.shape)
+                have = ckpt.shape(source)
                 if have != want:
                     raise ValueError(
                         f"{path}: {source} has shape {list(have)}, the model expects {list(want)}"
                     )
-                value = ckpt.rows(source, start, stop)
+                value = ckpt.rows(source, offset + start, offset + stop)
             if tuple(value.shape) != tuple(local.shape):
                 raise RuntimeError(
                     f"{name}: local shard {tuple(local.shape)} but {tuple(value.shape)} was read"

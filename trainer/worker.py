@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from rl.core import algo, user_code
@@ -38,11 +37,12 @@ from rl.core.model_info import is_moe
 from rl.core.worker_logs import capture, stderr_path
 from trainer import checkpoint_io, logprobs, lora, sharded_load
 from trainer.batching import MicroBatch, check_lengths, in_batch_order, make_micro_batch, pack_micro_batches
+from trainer.expert_parallel import check_expert_parallel, model_expert_count
 from trainer.gloo import cpu_backend
 from trainer.nvfp4 import is_nvfp4_checkpoint
 from trainer.nvfp4_tensor import gather_frozen
 from trainer.optim import make_optimizer
-from trainer.parallelize import parallelize
+from trainer.parallelize import apply_ep, make_meshes, parallelize
 from trainer.rendezvous import node_address
 from trainer.routing_replay import RoutingReplay, moe_routers
 from trainer.spec import TrainerSpec
@@ -96,7 +96,13 @@ class TrainerWorker:
                 rank=rank,
                 world_size=world_size,
             )
-        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        ep_size = spec.trainer.expert_parallel_size
+        if world_size % ep_size:
+            raise ValueError(
+                f"trainer.expert_parallel_size={ep_size} must divide trainer.num_ranks={world_size}"
+            )
+        # all ranks; with expert parallelism also the (dp, ep) mesh (trainer/parallelize.py)
+        self.mesh, self.ep_mesh = make_meshes(self.device.type, world_size, ep_size)
         random.seed(spec.seed)
         np.random.seed(spec.seed)
         torch.manual_seed(spec.seed)
@@ -124,11 +130,16 @@ class TrainerWorker:
                 f"(model_type {base.config.model_type!r}); add its folder under rl/models/ or set r3.enabled=false"
             )
         self.replay = RoutingReplay(base) if moe_routers(base) else None
+        # expert parallelism: this rank keeps its EP rank's experts (trainer/expert_parallel.py); None = all
+        self.ep = None
+        if self.ep_mesh is not None:
+            check_expert_parallel(ep_size, world_size, model_expert_count(base))
+            self.ep = apply_ep(self.model, self.ep_mesh, model_expert_count(base))
         self.final_hidden = logprobs.FinalHidden(base.model)  # the LM head runs in chunks on it
         self.pad_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0
         kept = sharded_load.hold_aside(self.model)
         if packed:
-            sharded_load.pack_frozen_weights(self.model, path, world_size)
+            sharded_load.pack_frozen_weights(self.model, path, world_size, self.ep)
         parallelize(
             base,
             base.model.layers,
@@ -137,8 +148,9 @@ class TrainerWorker:
             activation_checkpointing=spec.trainer.activation_checkpointing,
             compile=spec.trainer.compile and use_cuda,
             activation_memory_budget=spec.trainer.activation_memory_budget,
+            expert_mesh=self.ep_mesh,
         )
-        sharded_load.materialize(self.model, path, self.device, kept)
+        sharded_load.materialize(self.model, path, self.device, kept, self.ep)
         # trainer/base_bytes: this rank's resident bytes of the weights the checkpoint holds in NVFP4
         self.base_bytes = sharded_load.frozen_base_bytes(self.model, spec.model_path)
         self._base_bytes_reported = False
@@ -557,6 +569,8 @@ class TrainerWorker:
 
     def _clip_gradients(self) -> float:
         grads = [p.grad for p in self.params if p.grad is not None]
+        if self.ep is not None:
+            return self._clip_gradients_two_meshes(grads)
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # the shards' partial norms, reduced over ranks
@@ -564,28 +578,48 @@ class TrainerWorker:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.spec.trainer.grad_clip, norm)
         return float(norm)
 
+    def _clip_gradients_two_meshes(self, grads: list[torch.Tensor]) -> float:
+        """_clip_gradients with expert parallelism: the experts' gradients are sharded over the dp sub-mesh,
+        the others over all ranks, and every element sits on exactly one rank, so the squared norm is the
+        sum over ranks of each rank's own squares (torch's norm and clipping take one mesh)."""
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        if local:
+            squares = torch.stack(torch._foreach_norm(local, 2.0)).float().square().sum()
+        dist.all_reduce(squares)
+        norm = squares.sqrt()
+        if self.spec.trainer.grad_clip > 0 and torch.isfinite(norm) and local:
+            torch._foreach_mul_(local, torch.clamp(self.spec.trainer.grad_clip / (norm + 1e-6), max=1.0))
+        return float(norm)
+
     # ------------------------------------------------------------------------------------------------
     # Export.
 
     def _lora_fqns(self) -> dict[str, tuple[int, ...]]:
         """Trainable parameter names as the state-dict API spells them (no wrapper prefixes), with the
-        full (unsharded) shapes."""
-        return {
+        full (unsharded) shapes: the whole model's, all experts, under expert parallelism too."""
+        out = {
             lora.unwrapped_name(n): tuple(p.shape)
             for n, p in self.model.named_parameters()
             if p.requires_grad
         }
+        if self.ep is not None:
+            out = {n: self.ep.global_shape(n, shape) for n, shape in out.items()}
+        return out
 
     def _gathered(self, tensors, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Full copies on CPU of `tensors` (one per trainable parameter, in `self.params` order: the
         parameters or their gradients), by state-dict name, on rank 0 ({} elsewhere), cast to `dtype` first.
         One at a time: gathered on the device, cast there (a sync ships bf16: half the bytes to copy out, and
-        no fp32 -> bf16 pass over every weight on the host), then copied; the base weights never move."""
+        no fp32 -> bf16 pass over every weight on the host), then copied; the base weights never move.
+        Under expert parallelism an expert's LoRA is gathered from its EP rank and put at its global id."""
         out = {}
         for name, t in zip(self._lora_fqns(), tensors):
             full = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)
+            if self.ep is not None:
+                full = self.ep.to_global(name, full)
             if self.rank == 0:
                 out[name] = full.cpu() if full.device.type != "cpu" else full.clone()
         return out
@@ -622,14 +656,19 @@ class TrainerWorker:
         version: a kept older adapter version instead of the current one."""
         layout = lora.lora_layout(self.model)
         packed = self.spec.base_format == "nvfp4"
+        ep = self.ep is not None  # every EP rank contributes its experts, so keeps its gathered shards
         # A packed base is gathered packed, one weight at a time, and dequantized (trainer/nvfp4_tensor.py).
         with self.versions.at(version, self.step):
             full = get_model_state_dict(
                 self.model,
-                options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=packed),
+                options=StateDictOptions(
+                    full_state_dict=True, cpu_offload=not ep, ignore_frozen_params=packed
+                ),
             )
         if packed:
-            full.update(gather_frozen(self.model, self.rank == 0))
+            full.update(gather_frozen(self.model, self.rank == 0 or ep))
+        if ep:
+            full, layout = self.ep.globalize(full, self.rank == 0), self.ep.global_layout(layout)
         if self.rank != 0:
             return None
         return hf_checkpoint_state_dict(self.hf_model, lora.merge_lora(full, layout))
@@ -644,6 +683,8 @@ class TrainerWorker:
         lora.check_adapter(expected, tensors, f"adapter {directory}")
         by_peft = {lora.peft_key(k): k for k in self._lora_fqns()}
         state = {by_peft[k]: v.float() for k, v in tensors.items()}
+        if self.ep is not None:  # this rank's experts of the file's (all, at their global ids)
+            state = {k: self.ep.to_local(k, v) for k, v in state.items()}
         set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
     def save_checkpoint(self, directory: str) -> None:
@@ -660,9 +701,13 @@ class TrainerWorker:
         adapter = self.export_adapter()
         # the kept older versions: a batch in flight at the checkpoint was generated by one of them
         older = {v: self.export_adapter(version=v) for v in self.versions.versions()}
+        # The optimizer state of the whole model, all experts at their global ids whatever the layout
+        ep = self.ep is not None
         optim = get_optimizer_state_dict(
-            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=not ep)
         )
+        if ep:
+            optim = self.ep.globalize_optimizer(optim, self.rank == 0)
         if self.rank == 0:
             checkpoint_io.write_adapter(tmp, *adapter)
             for v, older_adapter in older.items():
@@ -670,7 +715,12 @@ class TrainerWorker:
             checkpoint_io.atomic_torch_save(optim, tmp / "optimizer.pt")
             checkpoint_io.atomic_torch_save(self.scheduler.state_dict(), tmp / "scheduler.pt")
             checkpoint_io.atomic_write_json(
-                {"step": self.step, "world_size": self.world_size}, tmp / "trainer_state.json"
+                {
+                    "step": self.step,
+                    "world_size": self.world_size,
+                    "expert_parallel_size": self.spec.trainer.expert_parallel_size,
+                },
+                tmp / "trainer_state.json",
             )
         dist.barrier()
         if self.rank == 0:
@@ -678,7 +728,8 @@ class TrainerWorker:
         dist.barrier()
 
     def load_checkpoint(self, directory: str) -> int:
-        """Restores what save_checkpoint wrote; returns the step. RNG needs the same world size."""
+        """Restores what save_checkpoint wrote; returns the step. RNG needs the same world size. The adapter
+        and the optimizer state are the whole model's, so any `trainer.expert_parallel_size` reads them."""
         d = Path(directory)
         state = json.loads((d / "trainer_state.json").read_text())
         self.versions.clear()
@@ -687,6 +738,8 @@ class TrainerWorker:
             self.versions.save(v)
         self.load_adapter(str(d))
         optim = torch.load(d / "optimizer.pt", weights_only=True)
+        if self.ep is not None:
+            optim = self.ep.localize_optimizer(optim)
         set_optimizer_state_dict(
             self.model, self.optimizer, optim, options=StateDictOptions(full_state_dict=True, strict=False)
         )

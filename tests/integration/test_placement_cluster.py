@@ -141,7 +141,10 @@ def _pool(cfg, place):
 
 def test_muse_reserves_16_gpus_on_two_nodes_one_engine_a_node(cluster):
     c = cluster
-    cfg = load_config(ROOT / "recipes" / "muse_spark_open_dapo_lora.yaml", ["run.name=place-muse"])
+    # with expert parallelism over each node's 8 GPUs (trainer.expert_parallel_size: the config refuses a
+    # group that would span nodes)
+    overrides = ["run.name=place-muse", "trainer.expert_parallel_size=8"]
+    cfg = load_config(ROOT / "recipes" / "muse_spark_open_dapo_lora.yaml", overrides)
     place = create_placement(cfg)
     try:
         pg = place.placement_group
@@ -151,6 +154,12 @@ def test_muse_reserves_16_gpus_on_two_nodes_one_engine_a_node(cluster):
             8,
             8,
         ]
+        # trainer rank r takes bundle offset + r: each EP group of 8 consecutive ranks sits on one node
+        ep, ranks = cfg.trainer.expert_parallel_size, cfg.trainer.num_ranks
+        groups = [
+            {nodes[place.trainer_bundle_offset + r] for r in range(g, g + ep)} for g in range(0, ranks, ep)
+        ]
+        assert [len(g) for g in groups] == [1, 1] and groups[0] != groups[1]
         engine_nodes = [{nodes[b] for b in engine} for engine in place.rollout_bundles]
         assert [len(e) for e in place.rollout_bundles] == [8, 8]
         assert all(len(n) == 1 for n in engine_nodes)  # each engine on one node
