@@ -71,7 +71,7 @@ class StepClock:
     end: float = 0.0  # the new policy exported (k = 0: and on the engines)
 
     def metrics(self, samples: list[Sample], generate_s: float) -> dict:
-        n_resp = sum(len(s.response_ids) for s in samples)
+        n_resp = sum(s.num_generated for s in samples)
         n_all = sum(s.num_tokens for s in samples)
         return {
             "perf/step_s": self.end - self.start,
@@ -455,7 +455,7 @@ class Run:
             )
         ov = self.cfg.algorithm.overlong
         if ov.buffer_len > 0:
-            lengths = torch.tensor([len(s.response_ids) for s in samples])
+            lengths = torch.tensor([s.num_generated for s in samples])
             penalty = algo.overlong_penalty(
                 lengths, self.cfg.rollout.max_response_len, ov.buffer_len, ov.penalty_factor
             )
@@ -640,7 +640,8 @@ class Run:
 def mismatch_tensors(
     trainer_logp: list[np.ndarray], samples: list[Sample]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The trainer's and the rollout's response log-probs, padded to [B, T] float64, and their mask."""
+    """The trainer's and the rollout's response log-probs, padded to [B, T] float64, and their mask (the
+    tokens the policy sampled)."""
     width = max(len(s.response_ids) for s in samples)
     t = torch.zeros(len(samples), width, dtype=torch.float64)
     r = torch.zeros_like(t)
@@ -649,7 +650,7 @@ def mismatch_tensors(
         n = len(s.response_ids)
         t[i, :n] = torch.from_numpy(np.array(lp, dtype=np.float64))
         r[i, :n] = torch.from_numpy(np.array(s.response_logprobs, dtype=np.float64))
-        mask[i, :n] = 1
+        mask[i, :n] = torch.from_numpy(s.generated())
     return t, r, mask
 
 
@@ -669,7 +670,7 @@ def policy_lag_k3(current: list[np.ndarray], at_generation: list[np.ndarray], sa
 
 def batch_metrics(all_samples: list[Sample], kept: list[Sample], max_response_len: int) -> dict:
     rewards = np.array([s.reward for s in all_samples], dtype=np.float64)
-    lengths = np.array([len(s.response_ids) for s in all_samples], dtype=np.float64)
+    lengths = np.array([s.num_generated for s in all_samples], dtype=np.float64)
     from rl.reward import reward_metrics
 
     return {

@@ -152,7 +152,7 @@ def records_from_samples(samples: Sequence[Sample], responses: Sequence[str]) ->
                 score=float(s.reward),
                 response=text,
                 finish_reason=s.finish_reason,
-                response_length=len(s.response_ids),
+                response_length=s.num_generated,
             )
         )
     return out

@@ -100,7 +100,7 @@ def rollout_rows(
                 "reward": None if s.reward is None else float(s.reward),
                 "acc": None if s.acc is None else bool(s.acc),
                 "pred": None if s.pred is None else clip_text(str(s.pred), max_chars),
-                "response_length": len(s.response_ids),
+                "response_length": s.num_generated,
                 "finish_reason": s.finish_reason,
                 "k3_kl": None if k3[i] is None or not np.isfinite(k3[i]) else float(k3[i]),
                 "adapter_version": int(s.adapter_version),

@@ -73,7 +73,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, T] long
     attention_mask: torch.Tensor  # [B, T] long
     targets: torch.Tensor  # [B, W] long: the token each kept logit row predicts (0 where none)
-    response_mask: torch.Tensor  # [B, W] bool
+    response_mask: torch.Tensor  # [B, W] bool: the response tokens the policy sampled (Sample.loss_mask)
     starts: list[int]  # per sample: window index of its first response token
     response_lens: list[int]
     routed: torch.Tensor | None  # [B * T, L, k] long, or None (live routing everywhere)
@@ -129,7 +129,7 @@ def make_micro_batch(samples: list[Sample], pad_id: int, replay_shape: tuple[int
         # window index w is position first + w and predicts token first + w + 1
         targets[b, : n - 1 - first] = ids[first + 1 :]
         start = len(s.prompt_ids) - 1 - first
-        response_mask[b, start : start + len(s.response_ids)] = True
+        response_mask[b, start : start + len(s.response_ids)] = torch.from_numpy(s.generated())
         starts.append(start)
         if routed is not None and s.routed_experts is not None:
             rows = s.routed_experts.shape[0]  # n - 1: the last token was never routed by the rollout

@@ -72,7 +72,7 @@ def reference_loss(
         logp, entropy = _pad([lp for lp, _ in pairs]), _pad([e for _, e in pairs])
     else:
         logp, entropy = _pad([reference_logprobs(model, s, replay) for s in samples]), None
-    mask = _pad([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples])
+    mask = _pad([torch.from_numpy(s.generated()) for s in samples])
     old = _pad([torch.as_tensor(o) for o in old_logprobs]) if old_logprobs is not None else logp.detach()
     return algo.policy_loss(
         logp,

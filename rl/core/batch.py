@@ -24,6 +24,11 @@ class Sample:
     group: int
     data_source: str = ""
     ground_truth: str = ""
+    # One per response token: True where the policy sampled the token (the loss, the k3 check, the entropy
+    # and the length metrics count it), False on tokens the environment put into the response span (tool
+    # results, user turns of a multi-turn episode), whose log-probs above are placeholders. None: every
+    # response token was sampled (one turn).
+    loss_mask: np.ndarray | None = None
     # [len(prompt) + len(response) - 1, num_layers, top_k], uint8 or uint16; None without R3 / dense.
     routed_experts: np.ndarray | None = None
     # Or, in a run, a Ray ObjectRef to that array in the object store of the rollout worker's node: the
@@ -43,6 +48,13 @@ class Sample:
                 f"Sample.response_logprobs has {len(self.response_logprobs)} entries for "
                 f"{len(self.response_ids)} response tokens"
             )
+        if self.loss_mask is not None:
+            self.loss_mask = np.asarray(self.loss_mask, dtype=bool)
+            if self.loss_mask.shape != (len(self.response_ids),):
+                raise ValueError(
+                    f"Sample.loss_mask has shape {self.loss_mask.shape} for {len(self.response_ids)} response "
+                    "tokens"
+                )
         if self.routed_experts is not None:
             expected = len(self.prompt_ids) + len(self.response_ids) - 1
             if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != expected:
@@ -55,6 +67,17 @@ class Sample:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
+    def generated(self) -> np.ndarray:
+        """The loss mask as a bool array of response length (all True without one)."""
+        if self.loss_mask is None:
+            return np.ones(len(self.response_ids), dtype=bool)
+        return self.loss_mask
+
+    @property
+    def num_generated(self) -> int:
+        """Response tokens the policy sampled: the response length every length metric reports."""
+        return len(self.response_ids) if self.loss_mask is None else int(self.loss_mask.sum())
+
     def without_routing(self) -> Sample:
         """A copy that the trainer scores with its own (live) routing: no routed_experts, no routing_ref."""
         return replace(self, routed_experts=None, routing_ref=None)
@@ -63,6 +86,7 @@ class Sample:
         """The bytes moving this sample between processes carries: token ids (4 bytes each), log-probs,
         and the routing when held by value (a `routing_ref` is a few dozen bytes)."""
         n = 4 * self.num_tokens + self.response_logprobs.nbytes
+        n += self.loss_mask.nbytes if self.loss_mask is not None else 0
         return n + (self.routed_experts.nbytes if self.routed_experts is not None else 0)
 
 

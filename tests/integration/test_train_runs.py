@@ -115,7 +115,10 @@ def test_dense_model_runs_adapter_only_sync(dense_run, node_cluster):
     cfg, adapter = resolve_target(str(run_dir), ["eval.data=synthetic:arith"], None)
     assert adapter == run_dir / "checkpoints" / "step_2" / "trainer"
     out = run_eval(cfg, adapter, "step_2")
-    assert set(out["metrics"]) == {f"val-core/synthetic/arith/acc/{m}@4" for m in ("mean", "maj", "best")}
+    assert set(out["metrics"]) == {
+        *(f"val-core/synthetic/arith/acc/{m}@4" for m in ("mean", "maj", "best")),
+        "val-core/synthetic/arith/reward/mean@4",
+    }
     lines = Path(out["records"]).read_text().splitlines()
     assert len(lines) == 8 * 4  # eval_rows x k
 

@@ -85,7 +85,9 @@ def reference():
 @pytest.fixture(scope="module")
 def batch(reference):
     """5 samples (ranks get 3 and 2: one rank pads with an empty micro-batch): replayed own routing,
-    replayed foreign ids, and no routing at all."""
+    replayed foreign ids, and no routing at all. Samples 1 and 2 are laid out as an episode of two turns:
+    sampled tokens, tokens an environment put in (Sample.loss_mask False: no loss, no k3, no entropy; their
+    rollout log-probs are junk), sampled tokens again; the reference drops the same tokens."""
     model, _ = reference
     samples = random_samples(5, seed=7)
     rng = np.random.default_rng(0)
@@ -94,6 +96,12 @@ def batch(reference):
             s.routed_experts = live_routing(model, s.prompt_ids + s.response_ids)
         elif i in (1, 4):
             s.routed_experts = rng.integers(0, 8, (s.num_tokens - 1, 4, 2)).astype(np.uint8)
+        if i in (1, 2):
+            n = len(s.response_ids)
+            first = max(1, n // 3)
+            s.loss_mask = np.ones(n, dtype=bool)
+            s.loss_mask[first : first + max(1, n // 3)] = False
+            s.response_logprobs[~s.loss_mask] = 5.0
     advantages = [1.0, -0.5, 0.7, -1.2, 0.3]
     with torch.no_grad():
         ref_lp = [reference_logprobs(model, s, reference[1]) for s in samples]

@@ -149,3 +149,22 @@ def test_every_draw_of_every_step_and_every_eval_gets_its_own_sampling_seed():
     assert (
         _cfg(f"algorithm.dynamic_sampling.max_draws={MAX_DRAWS}").algorithm.dynamic_sampling.max_draws == 64
     )
+
+
+def test_the_k3_check_and_the_lengths_count_only_the_tokens_the_policy_sampled():
+    """Environment tokens inside a response (Sample.loss_mask False) carry placeholder rollout log-probs:
+    the on-policy check skips them, and response_length counts sampled tokens."""
+    import numpy as np
+
+    from rl.core.batch import Sample
+    from rl.driver import batch_metrics, mismatch_metrics
+
+    rollout = np.array([-1.0, -2.0, 0.0, 0.0, -0.5], np.float32)  # two placeholders where the env spoke
+    s = Sample([1, 2], [3, 4, 5, 6, 7], rollout, "stop", 0, 0, loss_mask=np.array([1, 1, 0, 0, 1], bool))
+    s.reward, s.acc = 1.0, True
+    trainer = np.array([-1.1, -2.0, -9.0, -7.0, -0.5], np.float32)
+    masked = mismatch_metrics([trainer], [s])
+    sampled_only = Sample([1, 2], [3, 4, 7], rollout[[0, 1, 4]], "stop", 0, 0)
+    assert masked == mismatch_metrics([trainer[[0, 1, 4]]], [sampled_only])
+    assert 0 < masked["rollout_corr/k3_kl"] < 1e-2  # the placeholders' gaps of 7 and 9 nats left out
+    assert batch_metrics([s], [s], 16)["response_length/mean"] == 3

@@ -62,3 +62,18 @@ def test_micro_batch_layout_window_targets_and_replay_rows():
     x = mb.scatter([np.array([1.0, 2.0]), np.array([3.0, 4.0, 5.0, 6.0])])
     assert x.tolist() == [[0, 1, 2, 0, 0], [3, 4, 5, 6, 0]]
     assert [v.tolist() for v in mb.gather(x)] == [[1, 2], [3, 4, 5, 6]]
+
+
+def test_tokens_outside_the_loss_mask_are_outside_the_response_mask():
+    """A response with environment tokens in it (Sample.loss_mask False): the micro-batch's response mask,
+    which the loss, the k3 check and the entropy read, covers the sampled tokens only."""
+    a = sample([1, 2, 3], [4, 5, 6, 7, 8])
+    a.loss_mask = np.array([True, True, False, False, True])
+    b = sample([1, 2], [9, 10])
+    mb = make_micro_batch([a, b], pad_id=0, replay_shape=None)
+    s = mb.starts[0]
+    assert mb.response_mask[0, s : s + 5].tolist() == [True, True, False, False, True]
+    assert mb.response_mask[1].sum() == 2 and mb.response_mask.sum() == 5
+    assert (a.num_generated, b.num_generated) == (3, 2)
+    with pytest.raises(ValueError, match="loss_mask has shape"):
+        Sample([1], [2, 3], np.zeros(2, np.float32), "stop", 0, 0, loss_mask=np.ones(3, bool))
