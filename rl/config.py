@@ -397,6 +397,24 @@ class ResourcesConfig:
     gpu_memory_gib: float = _f(
         140.0, "Memory of one GPU in GiB, what `sparkrl plan` fits the recipe into (140: an H200).", gt=0
     )
+    device: str = _f(
+        "auto",
+        "Device kind whose rates (rl/rates.yaml) `sparkrl plan` times the step with ('auto' = cpu-2core-dev "
+        "without GPUs, h100-80gb for `resources.gpu_memory_gib` <= 96, else h200).",
+        ("auto", "cpu-2core-dev", "h100-80gb", "h200"),
+    )
+    intra_node_gbps: float = _f(
+        0.0,
+        "GB/s a GPU sends to another in its node (NVLink), for `sparkrl plan`'s time (0 = the device's figure "
+        "in rl/rates.yaml: 450, NVLink 4 per direction).",
+        ge=0,
+    )
+    inter_node_gbps: float = _f(
+        0.0,
+        "GB/s a GPU sends to one on another node (InfiniBand), for `sparkrl plan`'s time (0 = the device's "
+        "figure in rl/rates.yaml: 50, one NDR 400 Gb/s NIC a GPU).",
+        ge=0,
+    )
     ray_address: str = _f(
         "",
         "Ray cluster to join ('' = `$RAY_ADDRESS`, else start a local instance of this run's own; "

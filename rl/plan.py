@@ -1,5 +1,6 @@
 """`sparkrl plan RECIPE [key=value ...]`: memory per GPU for the rollout engines and the trainer, before
-anything is submitted; whether it fits, and what to change when it does not.
+anything is submitted; whether it fits, and what to change when it does not; then the step's time by phase
+(rl/plan_time.py, `time_block`).
 
     cfg = load_config("recipes/qwen3_30b_a3b_dapo_lora.yaml")
     p = make_plan(cfg)                 # Plan: every figure in bytes, with the model facts it used
@@ -362,11 +363,14 @@ def untargeted_modules(cfg, s: ModelShape) -> list[str]:
     return [m for m in cfg.lora.target_modules if m not in counted]
 
 
-def trainer_lora_params(cfg, s: ModelShape) -> int:
+def trainer_lora_params(cfg, s: ModelShape, experts_only: bool = False) -> int:
     """LoRA parameters as the trainer holds them: r x (in + out) per matrix, except the fused experts'
-    gate_up_proj [E, 2I, H], whose one A serves gate and up (PEFT target_parameters)."""
+    gate_up_proj [E, 2I, H], whose one A serves gate and up (PEFT target_parameters). `experts_only`: the
+    routed experts' alone."""
     r, total = cfg.lora.rank, 0
     for name, count, fan_in, fan_out, _ in _lora_modules(cfg, s):
+        if experts_only and not name.startswith("experts."):
+            continue
         if name == "experts.up":
             total += count * r * fan_out  # its B only: A is gate's
         else:
@@ -456,6 +460,13 @@ class Plan:
     logits_tokens: int = 0  # tokens a chunk of the LM head covers
     placement_ok: bool = True
     placement_why: str = ""
+    weight_bytes: int = 2  # bytes of model.dtype
+    lora_params_experts: int = (
+        0  # of lora_params_trainer, the routed experts' (expert parallelism splits them)
+    )
+    t_base_bytes: dict[str, float] = field(
+        default_factory=dict
+    )  # the whole base as the trainer holds it, by group
     untargeted: list[str] = field(default_factory=list)
     verdicts: list[tuple[str, bool, str]] = field(default_factory=list)
     # bytes a GPU left over by each memory check (negative: over)
@@ -532,11 +543,15 @@ def logits_tokens(cfg, tokens: int) -> int:
     return min(chunk, tokens) if chunk else tokens
 
 
-def trainer_gathered(s: ModelShape, base_format: str, ranks: int, wbytes: int) -> float:
+def trainer_gathered(s: ModelShape, base_format: str, ranks: int, wbytes: int, ep: int = 1) -> float:
     """What FSDP2 holds unsharded at once: two decoder layers (the computing one and the prefetched next)
     and the embeddings/output. An nvfp4 base all-gathers its NVFP4 weights packed and dequantizes the
-    computing layer's into a model.dtype buffer; one rank gathers nothing but still dequantizes."""
+    computing layer's into a model.dtype buffer; one rank gathers nothing but still dequantizes. With expert
+    parallelism (`ep` > 1) a layer holds num_experts / ep of its experts."""
     layer, packed = s.largest_layer_params(), s.largest_layer_quantized_params()
+    if ep > 1 and s.moe_layers:
+        others = s.params.get("experts", 0) / s.moe_layers * (1 - 1 / ep)
+        layer, packed = layer - others, packed - others
     dense = s.params.get("embeddings", 0) * wbytes
     if base_format != "nvfp4":
         return 0.0 if ranks == 1 else 2 * layer * wbytes + dense
@@ -627,7 +642,7 @@ def make_plan(cfg, gpu_gib: float | None = None, quantized: bool = False, advise
         ranks=ranks,
         t_weights=stored_bytes(p, "nvfp4" if base == "nvfp4" else cfg.model.dtype, wbytes) / ranks,
         t_lora_state=lora_t * state_bytes / ranks,
-        t_gathered=trainer_gathered(s, base, ranks, wbytes),
+        t_gathered=trainer_gathered(s, base, ranks, wbytes, tr.expert_parallel_size),
         t_activations=trainer_activations(cfg, s, tokens, wbytes),
         t_runtime=RUNTIME_BYTES if on_gpu else 0,
         micro_tokens=tokens,
@@ -642,6 +657,12 @@ def make_plan(cfg, gpu_gib: float | None = None, quantized: bool = False, advise
         logits_tokens=logits_tokens(cfg, tokens),
         placement_ok=placement_ok,
         placement_why=placement_why,
+        weight_bytes=wbytes,
+        lora_params_experts=trainer_lora_params(cfg, s, experts_only=True),
+        t_base_bytes={
+            k: stored_bytes({k: v}, "nvfp4" if base == "nvfp4" else cfg.model.dtype, wbytes)
+            for k, v in p.items()
+        },
     )
     if on_gpu:
         _judge(plan, cfg)
@@ -1121,17 +1142,32 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.recipe, args.overrides)
     p = make_plan(cfg)
     print(format_plan(p, args.recipe))
+    print(time_block(cfg, p, args.prompt_len, args.response_len))
     return 0 if p.fits or not p.num_gpus else 1
+
+
+def time_block(cfg, p: Plan, prompt_len: float = 0, response_len: float = 0) -> str:
+    """The step-time estimate (rl/plan_time.py) and, for a MoE model on trainer ranks spanning GPUs, the step
+    at expert-parallel sizes 1, resources.gpus_per_node and trainer.num_ranks."""
+    from rl import plan_time
+
+    lines = plan_time.format_time(plan_time.estimate_step(cfg, p, prompt_len, response_len))
+    tr, res = cfg.trainer, cfg.resources
+    if p.shape.num_experts and res.num_gpus and tr.num_ranks > 1:
+        sizes = sorted({1, min(res.gpus_per_node, tr.num_ranks), tr.num_ranks})
+        plans = lambda c: make_plan(c, advise=False)  # noqa: E731
+        lines += plan_time.format_compare(plan_time.compare_ep(cfg, plans, sizes, prompt_len, response_len))
+    return "\n".join(lines)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan",
-        help="memory per GPU for rollout and trainer; whether the recipe fits",
+        help="memory per GPU for rollout and trainer, whether the recipe fits; the step's time by phase",
         description="Estimate memory per GPU for the recipe's rollout engines and trainer ranks (weights in "
         "their stored format, KV cache with sliding-window layers at their window, LoRA, "
-        "optimizer state, activations), say whether it fits and what to change. Exit code 1 "
-        "when it does not fit.",
+        "optimizer state, activations), say whether it fits and what to change; then the step's time by phase "
+        "from rl/rates.yaml's rates (rl/plan_time.py). Exit code 1 when it does not fit.",
     )
     p.add_argument("recipe", metavar="RECIPE")
     p.add_argument(
@@ -1140,6 +1176,18 @@ def register(subparsers) -> argparse.ArgumentParser:
         metavar="key=value",
         help="config overrides, e.g. rollout.max_model_len=1048576 or resources.gpu_memory_gib=288 (the GPU's "
         "memory; default 140, an H200)",
+    )
+    p.add_argument(
+        "--prompt-len",
+        type=float,
+        default=0,
+        help="expected prompt tokens for the step time (default rollout.max_prompt_len, the bound)",
+    )
+    p.add_argument(
+        "--response-len",
+        type=float,
+        default=0,
+        help="expected response tokens for the step time (default rollout.max_response_len, the bound)",
     )
     p.set_defaults(func=main)
     return p

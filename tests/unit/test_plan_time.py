@@ -1,0 +1,123 @@
+"""The planner's step-time estimate (rl/plan_time.py): its shape (more tokens, more time; EP gathers fewer
+bytes; the link across nodes is InfiniBand), the rates file (every measured figure dated, with its command),
+and the estimate against measured CPU steps (rl/rates.yaml `runs`, within 30 %)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl import plan_time
+from rl.config import load_config
+from rl.plan import make_plan
+
+MUSE = "recipes/muse_spark_open_dapo_lora.yaml"
+
+
+def _est(recipe: str, *overrides: str, **kw):
+    cfg = load_config(recipe, list(overrides))
+    return plan_time.estimate_step(cfg, make_plan(cfg, advise=False), **kw)
+
+
+def test_rates_file_schema():
+    rates = plan_time.load_rates()
+    for kind in plan_time.DEVICE_KINDS:
+        table = rates["devices"][kind]["rates"]
+        for name, f in table.items():
+            assert f["kind"] in ("measured", "assumed"), (kind, name)
+            assert isinstance(f["value"], (int, float)) and f["value"] >= 0, (kind, name)
+            if f["kind"] == "measured":
+                assert str(f["date"])[:2] == "20" and f["command"], (kind, name)
+            else:
+                assert f["source"], (kind, name)
+    for run in rates["runs"]:
+        assert run["date"] and run["command"] and run["step_s"] > 0
+
+
+@pytest.mark.parametrize("kind", plan_time.DEVICE_KINDS)
+def test_every_kind_has_every_rate(kind):
+    cfg = load_config(MUSE, [f"resources.device={kind}"])
+    est = plan_time.estimate_step(cfg, make_plan(cfg, advise=False))
+    assert est.step_s > 0 and est.kind == kind
+
+
+def test_monotonic_in_tokens():
+    short = _est(MUSE, response_len=1024)
+    long = _est(MUSE, response_len=4096)
+    assert long.step_s > short.step_s
+    for phase in ("rollout decode", "train passes", "all-gather"):
+        assert long.phases[phase] > short.phases[phase]
+    bigger = _est(MUSE, "data.train_batch_size=64", response_len=1024)
+    assert bigger.step_s > short.step_s
+
+
+def test_expert_parallelism_gathers_fewer_bytes():
+    ep1 = _est(MUSE, "trainer.expert_parallel_size=1")
+    ep8 = _est(MUSE, "trainer.expert_parallel_size=8")
+    assert ep8.bytes["all-gather (experts)"] < ep1.bytes["all-gather (experts)"] / 8
+    assert ep8.bytes["dequantized"] < ep1.bytes["dequantized"]
+    assert "all-to-all" not in ep1.phases and ep8.phases["all-to-all"] > 0
+    assert ep8.links["all-to-all"] == "intra-node"  # an EP group of 8 lies in one node of 8
+
+
+def test_link_across_nodes_is_infiniband():
+    two_nodes = _est(MUSE, "trainer.expert_parallel_size=1")  # 16 ranks on 2 nodes of 8
+    assert two_nodes.links["all-gather (experts)"] == "inter-node"
+    one_node = _est(
+        MUSE,
+        "trainer.expert_parallel_size=1",
+        "trainer.num_ranks=8",
+        "resources.num_gpus=8",
+        "resources.nodes=1",
+        "rollout.num_workers=1",
+    )
+    assert one_node.links["all-gather (experts)"] == "intra-node"
+    # the link's bandwidth sets the gather's time: a slower InfiniBand, a slower gather
+    slow = _est(MUSE, "trainer.expert_parallel_size=1", "resources.inter_node_gbps=25")
+    assert slow.phases["all-gather"] == pytest.approx(2 * two_nodes.phases["all-gather"], rel=0.02)
+    fast_nvlink = _est(
+        MUSE,
+        "trainer.expert_parallel_size=1",
+        "trainer.num_ranks=8",
+        "resources.num_gpus=8",
+        "resources.nodes=1",
+        "rollout.num_workers=1",
+        "resources.intra_node_gbps=900",
+    )
+    assert fast_nvlink.phases["all-gather"] < one_node.phases["all-gather"]
+
+
+def test_measured_and_assumed_labels():
+    est = _est(MUSE)
+    assert est.rates["train_tflops"].measured and not est.rates["inter_node_gbps"].measured
+    text = "\n".join(plan_time.format_time(est))
+    assert "measured: " in text and "assumed: " in text and "bottleneck:" in text
+
+
+def test_muse_ep_comparison():
+    cfg = load_config(MUSE, ["trainer.expert_parallel_size=1"])
+    rows = {
+        ep: (verdict, est)
+        for ep, verdict, est, _ in plan_time.compare_ep(cfg, lambda c: make_plan(c, advise=False), (1, 8, 16))
+    }
+    assert rows[16][0].startswith("refused") and "expert_parallel_size" in rows[16][0]
+    assert rows[8][0] == "fits" and rows[8][1].step_s < rows[1][1].step_s
+    # the recipe takes the faster layout that fits
+    assert load_config(MUSE, []).trainer.expert_parallel_size == 8
+
+
+def test_logprob_pass_only_when_it_runs():
+    assert "log-prob pass" not in _est("recipes/demo_cpu.yaml").phases  # one on-policy step: fused
+    assert "log-prob pass" in _est("recipes/demo_cpu.yaml", "algorithm.rollout_correction.tis_cap=2").phases
+
+
+def _runs():
+    return plan_time.load_rates()["runs"]
+
+
+@pytest.mark.parametrize("run", _runs(), ids=lambda r: r["name"])
+def test_plan_within_30_percent_of_measured_cpu_steps(run):
+    est = _est(
+        run["recipe"], *run["overrides"], prompt_len=run["prompt_len"], response_len=run["response_len"]
+    )
+    ratio = est.step_s / run["step_s"]
+    assert 1 / 1.3 <= ratio <= 1.3, (run["name"], est.step_s, run["step_s"], est.phases)
