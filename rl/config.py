@@ -733,7 +733,13 @@ def load_config(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ())
 
 
 # Keys that may name code by import path: a relative file in them is relative to the recipe that sets it.
-CODE_KEYS = ("reward.function", "reward.by_source", "algorithm.adv_estimator", "algorithm.policy_loss")
+CODE_KEYS = (
+    "reward.function",
+    "reward.by_source",
+    "algorithm.adv_estimator",
+    "algorithm.policy_loss",
+    "rollout.env",
+)
 
 
 def _absolute_code_paths(cfg: SparkConfig, origin: dict[str, str], recipe: Path) -> None:
@@ -753,6 +759,7 @@ def _absolute_code_paths(cfg: SparkConfig, origin: dict[str, str], recipe: Path)
     rw.by_source = {k: fix("reward.by_source", v) for k, v in rw.by_source.items()}
     al.adv_estimator = fix("algorithm.adv_estimator", al.adv_estimator)
     al.policy_loss = fix("algorithm.policy_loss", al.policy_loss)
+    cfg.rollout.env = fix("rollout.env", cfg.rollout.env)
 
 
 def _type_problem(e: OmegaConfBaseException, given: dict[str, Any]) -> str:
@@ -918,6 +925,18 @@ def validate(cfg: SparkConfig) -> list[tuple[str, str]]:
         "rollout.max_model_len",
         f"must be 0 or at least rollout.max_prompt_len + the longer of rollout.max_response_len and "
         f"eval.max_response_len = {context}, got {ro.max_model_len}",
+    )
+    need(
+        ro.max_total_tokens <= longest,
+        "rollout.max_total_tokens",
+        f"must be at most rollout.max_prompt_len + rollout.max_response_len = {longest} (the trainer's "
+        f"sequence bound), got {ro.max_total_tokens}",
+    )
+    need(
+        not ro.env or (user_code.is_import_path(ro.env) and user_code.problem(ro.env) is None),
+        "rollout.env",
+        f"expected `path/to/file.py:Name` or `module:Name`, got {ro.env!r}"
+        + (f": {user_code.problem(ro.env)}" if user_code.is_import_path(ro.env) else ""),
     )
     need(
         al.overlong.buffer_len == 0 or al.overlong.buffer_len < ro.max_response_len,

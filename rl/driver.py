@@ -364,7 +364,8 @@ class Run:
             prompts = self.loader.next_batch(want if draw == 0 else want - len({s.group for s in kept}))
             t = time.perf_counter()
             samples = self.rollout.generate(
-                prompt_requests(prompts, offset=draw * want), self._sampling(train_stream(step, draw))
+                prompt_requests(prompts, offset=draw * want, rows=bool(cfg.rollout.env)),
+                self._sampling(train_stream(step, draw)),
             )
             gen_s += time.perf_counter() - t
             received += sum(s.payload_bytes() for s in samples)
@@ -415,7 +416,8 @@ class Run:
 
         cfg = self.cfg
         samples = self.rollout.generate(
-            prompt_requests(self.eval_prompts), self._sampling(eval_stream(step), eval=True)
+            prompt_requests(self.eval_prompts, rows=bool(cfg.rollout.env)),
+            self._sampling(eval_stream(step), eval=True),
         )
         scored = self._score(samples, self.eval_prompts)
         self._check_reward_errors(
@@ -442,11 +444,11 @@ class Run:
         """Fill reward/acc/pred of every sample (with DAPO overlong shaping), each scored against its prompt's
         row (`prompts[group - offset]`: data source, ground truth, extra_info). -> the RewardResults, with
         the decoded responses as `responses`."""
-        from rl.reward import RewardRow
+        from rl.reward import RewardRow, score_episodes
 
         responses = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         rows = [RewardRow.of_prompt(prompts[s.group - offset]) for s in samples]
-        results = self.reward.score_samples(samples, responses, rows)
+        results = score_episodes(self.reward, samples, responses, rows)
         results.responses = responses
         for line in results.logged:
             self.log.event(
@@ -668,6 +670,27 @@ def policy_lag_k3(current: list[np.ndarray], at_generation: list[np.ndarray], sa
     return float(algo.rollout_mismatch_metrics(t, g, mask)["rollout_corr/k3_kl"])
 
 
+EPISODE_METRICS = {
+    "turns": "rollout/turns",
+    "tool_calls": "rollout/tool_calls",
+    "tool_errors": "rollout/tool_errors",
+}
+
+
+def episode_metrics(samples: list[Sample]) -> dict:
+    """Multi-turn counts (rollout.env): turns, tool calls and tool-call parse errors per episode (means),
+    environment errors and timeouts (totals), and perf/env_s (environment seconds, summed over episodes:
+    their steps overlap in a pool, so this is the work, not the wall time). Empty for one-turn batches."""
+    eps = [s.episode for s in samples if s.episode is not None]
+    if not eps:
+        return {}
+    out = {name: float(np.mean([e.get(k, 0) for e in eps])) for k, name in EPISODE_METRICS.items()}
+    out["rollout/env_errors"] = float(sum(e.get("env_errors", 0) for e in eps))
+    out["rollout/env_timeouts"] = float(sum(e.get("env_timeouts", 0) for e in eps))
+    out["perf/env_s"] = float(sum(e.get("env_s", 0.0) for e in eps))
+    return out
+
+
 def batch_metrics(all_samples: list[Sample], kept: list[Sample], max_response_len: int) -> dict:
     rewards = np.array([s.reward for s in all_samples], dtype=np.float64)
     lengths = np.array([s.num_generated for s in all_samples], dtype=np.float64)
@@ -683,6 +706,7 @@ def batch_metrics(all_samples: list[Sample], kept: list[Sample], max_response_le
         "batch/kept_groups": len({s.group for s in kept}),
         "batch/flat_group_frac": flat_group_fraction(all_samples),
         "batch/samples": len(kept),
+        **episode_metrics(all_samples),
     }
 
 

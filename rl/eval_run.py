@@ -54,7 +54,7 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
     from transformers import AutoTokenizer
 
     from rl.evaluation import eval_metrics, records_from_samples, write_records
-    from rl.reward import RewardRow
+    from rl.reward import RewardRow, score_episodes
     from rl.setup import (
         build_reward,
         engine_spec,
@@ -88,11 +88,14 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
                 pool.load_adapter(tensors, config, 1)
             else:
                 pool.load_merged_weights(merged_weights(model_path, adapter, cfg.model.dtype), 1)
-        samples = pool.generate(prompt_requests(prompts), sampling_spec(cfg, cfg.rollout.seed, eval=True))
+        samples = pool.generate(
+            prompt_requests(prompts, rows=bool(cfg.rollout.env)),
+            sampling_spec(cfg, cfg.rollout.seed, eval=True),
+        )
         responses = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         rows = [RewardRow.of_prompt(prompts[s.group]) for s in samples]
         with build_reward(cfg, run_dir(cfg) / "logs") as reward:
-            scored = reward.score_samples(samples, responses, rows)
+            scored = score_episodes(reward, samples, responses, rows)
         if scored.errors:
             print(
                 f"eval: {scored.errors} of {len(samples)} responses failed to score (first: "

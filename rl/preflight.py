@@ -419,6 +419,7 @@ def preflight(
         if rows is None and source is not None:
             rows = source.dataset
     problems += reward_problems(cfg, rows)
+    problems += env_problems(cfg, rows)
     if problems:
         raise PreflightError(problems)
 
@@ -463,6 +464,36 @@ def _call_with_deadline(fn, seconds: float):
     thread.start()
     thread.join(seconds)
     return box[0] if box else (None, f"did not return within {seconds:g} s")
+
+
+def env_problems(cfg: SparkConfig, dataset=None) -> list[str]:
+    """The environment class of `rollout.env` imported once and built from the first row (the training
+    data's, else eval's) with `rollout.env_kwargs`, as a rollout worker builds it; its `step` is not called."""
+    from rl.core import user_code
+    from rl.data.loader import reward_extra_info
+
+    ro = cfg.rollout
+    if not ro.env:
+        return []
+    try:
+        cls = user_code.resolve("rollout.env", ro.env)
+    except user_code.UserCodeError as e:
+        return [str(e)]
+    if not callable(getattr(cls, "step", None)):
+        return [f"rollout.env: {ro.env} has no step(assistant_text, tool_calls) method"]
+    if dataset is None or len(dataset) == 0:
+        return []
+    row = dataset[0]
+    env_row = {
+        "data_source": row["data_source"],
+        "ground_truth": row["reward_model"]["ground_truth"],
+        "extra_info": reward_extra_info(row, cfg.data.prompt_key),
+        "index": 0,
+    }
+    _, why = _call_with_deadline(functools.partial(cls, env_row, **ro.env_kwargs), PREFLIGHT_CALL_S)
+    if why:
+        return [f"rollout.env: {ro.env} {why} when built from the first row with rollout.env_kwargs"]
+    return []
 
 
 def reward_problems(cfg: SparkConfig, dataset=None) -> list[str]:

@@ -716,3 +716,32 @@ def reward_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     for k, values in sorted(extra.items()):
         out[f"reward/{k}" if k not in reserved else f"reward/fn_{k}"] = sum(values) / len(values)
     return out
+
+
+def score_episodes(scorer, samples: Sequence[Sample], responses: Sequence[str], rows: Sequence[RewardRow]):
+    """`scorer.score_samples` on the samples without an environment's reward (all of them in one-turn
+    rollouts); the others take their environment's (`apply_env_reward`). -> the RewardResults of the
+    samples scored."""
+    own = [i for i, s in enumerate(samples) if (s.episode or {}).get("reward") is None]
+    if len(own) == len(samples):
+        return scorer.score_samples(samples, responses, rows)
+    for s in samples:
+        apply_env_reward(s)
+    if not own:
+        return RewardResults([])
+    pick = [samples[i] for i in own], [responses[i] for i in own], [rows[i] for i in own]
+    return scorer.score_samples(*pick)
+
+
+def apply_env_reward(s: Sample) -> None:
+    """A multi-turn episode whose environment returned a reward takes it over the reward function's: a number
+    (acc: > 0), or a dict with "score" and optionally "acc" and "pred"."""
+    reward = (s.episode or {}).get("reward")
+    if reward is None:
+        return
+    if isinstance(reward, dict):
+        s.reward = float(reward["score"])
+        s.acc = bool(reward.get("acc", s.reward > 0))
+        s.pred = str(reward["pred"]) if "pred" in reward else s.pred
+    else:
+        s.reward, s.acc = float(reward), float(reward) > 0

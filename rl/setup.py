@@ -155,14 +155,27 @@ def waiting_for_resources(cfg: SparkConfig, what: str, placement_group_name: str
     return report_pending(r.wait_report_s, r.wait_timeout_s, out=out, what=what, summary=summary)
 
 
-def prompt_requests(prompts: list[Prompt], offset: int = 0) -> list:
-    """One rollout request per prompt; its index (plus `offset`) is the group id of its samples."""
+def prompt_requests(prompts: list[Prompt], offset: int = 0, rows: bool = False) -> list:
+    """One rollout request per prompt; its index (plus `offset`) is the group id of its samples. `rows`: each
+    request carries its dataset row (`PromptRequest.row`, what a multi-turn environment is built from)."""
     from rollout.spec import PromptRequest
 
     return [
-        PromptRequest(p.prompt_ids, offset + i, p.data_source, p.ground_truth_text)
+        PromptRequest(
+            p.prompt_ids, offset + i, p.data_source, p.ground_truth_text, env_row(p) if rows else None
+        )
         for i, p in enumerate(prompts)
     ]
+
+
+def env_row(p: Prompt) -> dict:
+    """The row a multi-turn environment (`rollout.env`) is built from."""
+    return {
+        "data_source": p.data_source,
+        "ground_truth": p.ground_truth,
+        "extra_info": p.extra_info,
+        "index": p.index,
+    }
 
 
 def reward_spec(cfg: SparkConfig):

@@ -11,6 +11,7 @@ from typing import Any
 from rl.core.options import option as _f
 
 MOE_BACKENDS = ("auto", "marlin")
+TOOL_PARSERS = ("json_tool_call", "none")
 SEED_SCOPES = ("sample", "engine")
 
 
@@ -68,6 +69,32 @@ class RolloutConfig:
         "auto",
         "MoE kernel for quantized experts (marlin: weight-only FP4 on Hopper).",
         MOE_BACKENDS,
+    )
+    env: str = _f(
+        "",
+        "Multi-turn episodes: your environment class by import path, `path/to/file.py:Name` (relative to the "
+        "recipe's directory), built per episode from the prompt's row; empty = one turn (docs/environments.md).",
+    )
+    env_kwargs: dict[str, Any] = _f({}, "Keyword arguments passed to every environment `rollout.env` builds.")
+    tool_parser: str = _f(
+        "json_tool_call",
+        'How tool calls are read from an assistant turn: json_tool_call (`<tool_call>{"name": ..., '
+        '"arguments": {...}}</tool_call>`, Qwen / Hermes style), none (the environment reads the text).',
+        TOOL_PARSERS,
+    )
+    max_turns: int = _f(1, "Most assistant turns of an episode (with `rollout.env`).", ge=1)
+    max_total_tokens: int = _f(
+        0,
+        "Most tokens of an episode: its prompt, every generated turn and the environment's messages (0 = "
+        "max_prompt_len + max_response_len, the trainer's sequence bound); each turn also generates at most "
+        "max_response_len tokens.",
+        ge=0,
+    )
+    env_workers: int = _f(8, "Threads a rollout worker runs environment steps in, at once.", ge=1)
+    env_timeout_s: float = _f(
+        60.0,
+        "Longest one turn's environment steps may take; a step past it ends its episode (0 = no limit).",
+        ge=0,
     )
     engine_args: dict[str, Any] = _f(
         {},

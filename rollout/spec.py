@@ -124,6 +124,9 @@ class PromptRequest:
     group: int
     data_source: str = ""
     ground_truth: str = ""
+    # The dataset row a multi-turn environment is built from (`rollout.env`): data_source, ground_truth,
+    # extra_info, index. None for one-turn rollouts, which do not need it.
+    row: dict | None = None
 
     def __post_init__(self):
         if len(self.prompt_ids) == 0:

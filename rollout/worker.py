@@ -312,6 +312,8 @@ class RolloutWorker:
         from vllm.inputs import TokensPrompt
 
         self._check_awake("generate")
+        if self.spec.rollout.env:
+            return self._episodes(requests, sampling, indices)
         params = [
             SamplingParams(
                 n=sampling.n,
@@ -372,6 +374,112 @@ class RolloutWorker:
             for s in samples:
                 s.routing_ref, s.routed_experts = ray.put(s.routed_experts), None
         return samples
+
+    def _episodes(
+        self, requests: list[PromptRequest], sampling: SamplingSpec, indices: list[int] | None
+    ) -> list[Sample]:
+        """Multi-turn `generate` (`rollout.env`): `sampling.n` episodes per request, advanced turn by turn by
+        rollout.env.run_episodes with one engine call a turn for all live episodes. Episode j of request i
+        samples its turn t with seed request_seed(i) + j + t * TURN_SEED_STRIDE."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from rl.core import user_code
+        from rollout.env import TOOL_PARSERS, EpisodeLimits, TurnOutput, run_episodes
+
+        rollout = self.spec.rollout
+        env_cls = user_code.resolve("rollout.env", rollout.env)
+        order = range(len(requests)) if indices is None else indices
+        if len(order) != len(requests):
+            raise ValueError(f"generate: {len(requests)} requests but {len(order)} indices")
+        envs, prompts, seeds, owners = [], [], [], []
+        for req, i in zip(requests, order):
+            base = sampling.request_seed(i)
+            for j in range(sampling.n):
+                envs.append(env_cls(dict(req.row or {}), **rollout.env_kwargs))
+                prompts.append(list(req.prompt_ids))
+                seeds.append(None if base is None else base + j)
+                owners.append(req)
+        capture = self.spec.return_routed_experts and self.info.is_moe
+
+        def engine(contexts, turn_seeds, max_tokens):
+            params = [
+                SamplingParams(
+                    n=1,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                    max_tokens=m,
+                    seed=seed,
+                    stop_token_ids=sampling.stop_token_ids,
+                    logprobs=0,
+                    detokenize=False,
+                )
+                for seed, m in zip(turn_seeds, max_tokens)
+            ]
+            prompts_ = [TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
+            outputs = self.llm.generate(prompts_, params, lora_request=self._lora, use_tqdm=False)
+            turn = []
+            for ctx, out in zip(contexts, outputs):
+                comp = out.outputs[0]
+                ids = list(comp.token_ids)
+                where = f"episode turn of {len(ctx)} context tokens"
+                routed = None
+                if capture:
+                    if comp.routed_experts is None:
+                        raise RoutedExpertsError(f"{where}: R3 is on but vLLM returned no routed_experts")
+                    routed = check_routed_experts(
+                        comp.routed_experts, len(ctx) + len(ids) - 1, self.info.top_k, self.info.num_experts
+                    )
+                logp = check_finite_logprobs(sampled_logprobs(ids, comp.logprobs, where), where)
+                turn.append(TurnOutput(ids, logp, str(comp.finish_reason), routed))
+            return turn
+
+        max_total = rollout.max_total_tokens or rollout.max_prompt_len + rollout.max_response_len
+        limits = EpisodeLimits(rollout.max_turns, max_total, rollout.env_workers, rollout.env_timeout_s)
+        episodes = run_episodes(
+            envs,
+            prompts,
+            seeds,
+            engine,
+            self._tokenizer(),
+            limits,
+            sampling.max_tokens,
+            TOOL_PARSERS[rollout.tool_parser],
+        )
+        samples = []
+        for req, e in zip(owners, episodes):
+            samples.append(
+                Sample(
+                    prompt_ids=e.prompt_ids,
+                    response_ids=e.response_ids,
+                    response_logprobs=np.asarray(e.logprobs, dtype=np.float32),
+                    finish_reason=e.finish_reason,
+                    adapter_version=self.version,
+                    group=req.group,
+                    data_source=req.data_source,
+                    ground_truth=req.ground_truth,
+                    loss_mask=np.asarray(e.mask, dtype=bool),
+                    routed_experts=e.routed,
+                    episode=e.info,
+                )
+            )
+        if capture and self.spec.routing_by_reference:
+            import ray
+
+            for s in samples:
+                s.routing_ref, s.routed_experts = ray.put(s.routed_experts), None
+        return samples
+
+    def _tokenizer(self):
+        """The checkpoint's tokenizer (its chat template renders the environment's messages)."""
+        if getattr(self, "_tok", None) is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(
+                self.spec.model_path, trust_remote_code=self.spec.trust_remote_code
+            )
+        return self._tok
 
     def prompt_logprobs(self, token_ids_list: list[list[int]], use_adapter: bool = True) -> list[np.ndarray]:
         """Teacher-forced log p(ids[i] | ids[:i]) for i >= 1 (length len(ids) - 1), at temperature 1.

@@ -90,3 +90,14 @@ def reference_loss(
         entropy=entropy,
         entropy_coeff=cfg.entropy_coeff,
     )
+
+
+def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in the checkpoint directory `path`, by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as s:
+            out.update({k: s.get_tensor(k) for k in s.keys()})
+    return out

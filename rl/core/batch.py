@@ -40,6 +40,10 @@ class Sample:
     acc: bool | None = None
     pred: str | None = None
     extra: dict = field(default_factory=dict)
+    # A multi-turn episode's counts (rollout.env): turns, tool_calls, tool_errors, env_errors, env_timeouts,
+    # env_s (seconds in the environment's steps) and reward (the environment's, None: the reward function
+    # scores the transcript). None for one-turn rollouts.
+    episode: dict | None = None
 
     def __post_init__(self):
         self.response_logprobs = np.asarray(self.response_logprobs, dtype=np.float32)

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from rl.quantize import (
     fp4_code_probs,
@@ -21,14 +20,7 @@ from rl.quantize import (
     random_nvfp4,
 )
 from rl.tiny import make_tiny
-
-
-def _tensors(path):
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, "pt") as s:
-            out.update({k: s.get_tensor(k) for k in s.keys()})
-    return out
+from trainer.testing import checkpoint_tensors
 
 
 def test_codes_follow_a_quantized_gaussian_and_dequantize_to_the_asked_std():
@@ -70,7 +62,7 @@ def written(request, tmp_path_factory):
 
 def test_same_layout_as_sparkrl_quantize(written):
     _, reference, out = written
-    want, got = _tensors(reference), _tensors(out)
+    want, got = checkpoint_tensors(reference), checkpoint_tensors(out)
     assert sorted(got) == sorted(want)
     for k in want:
         assert (got[k].dtype, got[k].shape) == (want[k].dtype, want[k].shape), k
@@ -87,7 +79,7 @@ def test_same_layout_as_sparkrl_quantize(written):
 
 def test_fused_groups_share_a_global_scale(written):
     _, _, out = written
-    t = _tensors(out)
+    t = checkpoint_tensors(out)
     q, k, v = (t[f"model.layers.0.self_attn.{p}_proj.weight_global_scale"] for p in "qkv")
     assert torch.equal(q, k) and torch.equal(q, v)
     e = "model.layers.1.mlp.experts.3"

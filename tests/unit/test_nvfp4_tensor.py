@@ -5,21 +5,13 @@ FSDP2 side is tests/integration/test_trainer_nvfp4_base.py)."""
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from rl.quantize import quantize
 from rl.tiny import make_tiny
 from trainer.checkpoint_io import dequantize_checkpoint
 from trainer.nvfp4_tensor import NVFP4Weight, dequantize
 from trainer.sharded_load import CheckpointRows, build_empty_model, checkpoint_name
-
-
-def _tensors(path):
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, "pt") as s:
-            out.update({k: s.get_tensor(k) for k in s.keys()})
-    return out
+from trainer.testing import checkpoint_tensors
 
 
 def _fused(twin, name):
@@ -42,7 +34,7 @@ def checkpoints(request, tmp_path_factory):
 
 def test_packed_weights_dequantize_to_the_twin_bit_for_bit(checkpoints):
     arch, q, dq = checkpoints
-    twin = _tensors(dq)
+    twin = checkpoint_tensors(dq)
     model = build_empty_model(str(q), torch.float32)
     packed = {}
     with CheckpointRows(q) as ckpt:

@@ -59,30 +59,19 @@ def test_expert_parallelism_gathers_fewer_bytes():
     assert ep8.links["all-to-all"] == "intra-node"  # an EP group of 8 lies in one node of 8
 
 
+# The Muse recipe's trainer on the 8 GPUs of one node
+ONE_NODE = ("trainer.num_ranks=8", "resources.num_gpus=8", "resources.nodes=1", "rollout.num_workers=1")
+
+
 def test_link_across_nodes_is_infiniband():
     two_nodes = _est(MUSE, "trainer.expert_parallel_size=1")  # 16 ranks on 2 nodes of 8
     assert two_nodes.links["all-gather (experts)"] == "inter-node"
-    one_node = _est(
-        MUSE,
-        "trainer.expert_parallel_size=1",
-        "trainer.num_ranks=8",
-        "resources.num_gpus=8",
-        "resources.nodes=1",
-        "rollout.num_workers=1",
-    )
+    one_node = _est(MUSE, "trainer.expert_parallel_size=1", *ONE_NODE)
     assert one_node.links["all-gather (experts)"] == "intra-node"
     # the link's bandwidth sets the gather's time: a slower InfiniBand, a slower gather
     slow = _est(MUSE, "trainer.expert_parallel_size=1", "resources.inter_node_gbps=25")
     assert slow.phases["all-gather"] == pytest.approx(2 * two_nodes.phases["all-gather"], rel=0.02)
-    fast_nvlink = _est(
-        MUSE,
-        "trainer.expert_parallel_size=1",
-        "trainer.num_ranks=8",
-        "resources.num_gpus=8",
-        "resources.nodes=1",
-        "rollout.num_workers=1",
-        "resources.intra_node_gbps=900",
-    )
+    fast_nvlink = _est(MUSE, "trainer.expert_parallel_size=1", *ONE_NODE, "resources.intra_node_gbps=900")
     assert fast_nvlink.phases["all-gather"] < one_node.phases["all-gather"]
 
 

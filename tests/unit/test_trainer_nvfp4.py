@@ -6,19 +6,11 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from rl.tiny import make_tiny
 from trainer.checkpoint_io import dequantize_checkpoint, load_base_model, resolve_base_model
 from trainer.nvfp4 import is_nvfp4_checkpoint, nvfp4_scheme, quantize_nvfp4
-
-
-def tensors(path):
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, "pt") as s:
-            out.update({k: s.get_tensor(k) for k in s.keys()})
-    return out
+from trainer.testing import checkpoint_tensors
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +28,7 @@ def test_quantized_checkpoint_has_the_vllm_layout(checkpoints):
     assert cfg["format"] == "nvfp4-pack-quantized" and cfg["ignore"] == ["lm_head", "re:.*mlp.gate$"]
     group = cfg["config_groups"]["group_0"]
     assert group["input_activations"] is None and group["weights"]["group_size"] == 16
-    t = tensors(q)
+    t = checkpoint_tensors(q)
     e = "model.layers.1.mlp.experts.5.down_proj"  # [hidden 128, expert width 64]
     assert t[f"{e}.weight_packed"].dtype == torch.uint8 and t[f"{e}.weight_packed"].shape == (128, 32)
     assert t[f"{e}.weight_scale"].dtype == torch.float8_e4m3fn and t[f"{e}.weight_scale"].shape == (128, 4)
@@ -50,7 +42,7 @@ def test_dequantized_equals_compressed_tensors_decompression_exactly(checkpoints
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 
     src, q, dq = checkpoints
-    packed, plain, original = tensors(q), tensors(dq), tensors(src)
+    packed, plain, original = checkpoint_tensors(q), checkpoint_tensors(dq), checkpoint_tensors(src)
     assert "quantization_config" not in json.loads((dq / "config.json").read_text())
     modules = [k[: -len(".weight_packed")] for k in packed if k.endswith(".weight_packed")]
     assert len(modules) == 4 * (4 + 8 * 3)  # attention q/k/v/o + 8 experts x 3 per layer
@@ -80,7 +72,7 @@ def test_trainer_loads_an_nvfp4_directory_as_its_bf16_twin(checkpoints, tmp_path
     assert resolve_base_model(str(q), is_writer=False, barrier=lambda: None) == path  # cached
     model = load_base_model(path, torch.bfloat16)
     w = model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
-    assert torch.equal(w, tensors(dq)["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(w, checkpoint_tensors(dq)["model.layers.0.self_attn.q_proj.weight"])
     # a plain checkpoint loads as it is
     assert resolve_base_model(str(dq), True, lambda: None) == str(dq)
 
