@@ -339,25 +339,13 @@ class RolloutWorker:
         samples = []
         for req, out in zip(requests, outputs):
             for comp in sorted(out.outputs, key=lambda c: c.index):
-                response = list(comp.token_ids)
                 where = f"group {req.group} sample {comp.index}"
-                routed = None
-                if capture:
-                    if comp.routed_experts is None:
-                        raise RoutedExpertsError(f"{where}: R3 is on but vLLM returned no routed_experts")
-                    routed = check_routed_experts(
-                        comp.routed_experts,
-                        len(req.prompt_ids) + len(response) - 1,
-                        self.info.top_k,
-                        self.info.num_experts,
-                    )
+                response, logp, routed = self._completion(comp, len(req.prompt_ids), capture, where)
                 samples.append(
                     Sample(
                         prompt_ids=list(req.prompt_ids),
                         response_ids=response,
-                        response_logprobs=check_finite_logprobs(
-                            sampled_logprobs(response, comp.logprobs, where), where
-                        ),
+                        response_logprobs=logp,
                         finish_reason=str(comp.finish_reason),
                         adapter_version=self.version,
                         group=req.group,
@@ -374,6 +362,19 @@ class RolloutWorker:
             for s in samples:
                 s.routing_ref, s.routed_experts = ray.put(s.routed_experts), None
         return samples
+
+    def _completion(self, comp, prompt_len: int, capture: bool, where: str):
+        """(token ids, their sampled log-probs, checked finite, and with `capture` their routed experts
+        [prompt_len + len(ids) - 1, layers, top_k]) of one vLLM completion after a prompt of `prompt_len`."""
+        ids = list(comp.token_ids)
+        routed = None
+        if capture:
+            if comp.routed_experts is None:
+                raise RoutedExpertsError(f"{where}: R3 is on but vLLM returned no routed_experts")
+            routed = check_routed_experts(
+                comp.routed_experts, prompt_len + len(ids) - 1, self.info.top_k, self.info.num_experts
+            )
+        return ids, check_finite_logprobs(sampled_logprobs(ids, comp.logprobs, where), where), routed
 
     def _episodes(
         self, requests: list[PromptRequest], sampling: SamplingSpec, indices: list[int] | None
@@ -422,16 +423,8 @@ class RolloutWorker:
             turn = []
             for ctx, out in zip(contexts, outputs):
                 comp = out.outputs[0]
-                ids = list(comp.token_ids)
                 where = f"episode turn of {len(ctx)} context tokens"
-                routed = None
-                if capture:
-                    if comp.routed_experts is None:
-                        raise RoutedExpertsError(f"{where}: R3 is on but vLLM returned no routed_experts")
-                    routed = check_routed_experts(
-                        comp.routed_experts, len(ctx) + len(ids) - 1, self.info.top_k, self.info.num_experts
-                    )
-                logp = check_finite_logprobs(sampled_logprobs(ids, comp.logprobs, where), where)
+                ids, logp, routed = self._completion(comp, len(ctx), capture, where)
                 turn.append(TurnOutput(ids, logp, str(comp.finish_reason), routed))
             return turn
 
