@@ -19,12 +19,29 @@ bench.trainer run them; FLOP counts are rl.plan_time.active_params of the recipe
                     sync_gbps, a memory copy's rate (one machine);
   step_overhead_s   the reward (math_dapo) of data.train_batch_size x rollout.n responses in this process;
   hbm_gbps, dequant_gbps   a copy of 64 MiB in memory (the model's weights are read from memory each step).
+
+On a GPU (`--device h100-80gb` or `h200`), the costs that do not scale with FLOPs, on the recipe's model
+(a small model, e.g. recipes/gpu_demo.yaml, shows them best; the FLOP rates of the file stay as they are):
+  decode_layer_step_eager_s (rollout.enforce_eager) or decode_step_s   the a of the line a + b x batch
+                    through batch 64 and 512, a decoder layer's share with eager launches;
+  decode_seq_s      b less the FLOPs a sequence at the file's decode_tflops (sampling, log-probs, routing);
+  colocate_switch_s the engines' sleep and wake (rollout.placement colocated), median of 3;
+  sync_s            bench.sync's hand-over, median of 3, less its bytes at the file's sync_gbps;
+  train_call_s, train_layer_pass_s, logprob_call_s, logprob_layer_pass_s   bench.trainer at S and S / 2
+                    sequences (S the recipe's data.train_batch_size x rollout.n): the line through both in
+                    micro-batches, less the FLOPs at the file's rates; its slope over the decoder layers;
+  step_overhead_s   the reward of S responses in this process;
+  hbm_gbps          a 1 GiB device-to-device copy, bytes read and written.
+Each is written into the device's table beside the figures it does not measure.
+
+    python -m bench.rates --device h100-80gb --recipe gpu_demo
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import time
@@ -183,6 +200,123 @@ def _trainer_rates(s, N: float, m, bench_trainer, ranks: int) -> dict:
     }
 
 
+def _cuda_copy_gbps() -> float:
+    import torch
+
+    x = torch.ones(2**28, device="cuda")  # 1 GiB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    reps, t = 20, time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return reps * 2 * x.numel() * 4 / (time.perf_counter() - t) / 1e9
+
+
+def _median_s(fn, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_gpu(device: str, recipe: str, overrides: list[str], command: str) -> dict:
+    from bench import rollout as bench_rollout
+    from bench import sync as bench_sync
+    from bench import trainer as bench_trainer
+    from bench.common import start
+    from rl.config import load_config
+    from rl.plan import model_shape
+    from rl.plan_time import active_params, rate
+
+    date = _now()
+
+    def m(value: float, note: str = "") -> dict:
+        f = {"value": float(f"{value:.4g}"), "kind": "measured", "date": date, "command": command}
+        if note:
+            f["note"] = note
+        return f
+
+    cfg = load_config(recipe, overrides)
+    shape = model_shape(cfg)
+    N, L = active_params(shape), shape.num_layers
+    given = lambda name: rate(device, name).value  # noqa: E731  (the file's figure)
+    S = cfg.data.train_batch_size * cfg.rollout.n
+    out = {"hbm_gbps": m(_cuda_copy_gbps(), "a 1 GiB device-to-device copy, bytes read and written")}
+    out["step_overhead_s"] = m(_reward_s(S), f"math_dapo on {S} responses")
+    s = start(cfg, rollout=True, trainer=True)
+    try:
+        steps = {}
+        for b in (64, 512):
+            bench_rollout.timed(s, b, 24, 4, seed=10_000 + b)
+            runs = sorted(bench_rollout.timed(s, b, 24, 16, seed=b + 1000 * r) for r in range(3))
+            sec, tokens = runs[1]
+            steps[b] = sec / max(tokens / b, 1)
+        per_seq = (steps[512] - steps[64]) / (512 - 64)
+        a = max(steps[64] - 64 * per_seq, 0.0)
+        line = (
+            f"a + b x batch through batch 64 ({steps[64] * 1e3:.2f} ms) and 512 ({steps[512] * 1e3:.2f} ms)"
+        )
+        if cfg.rollout.enforce_eager:
+            out["decode_layer_step_eager_s"] = m(a / L, f"{line}: a over {L} decoder layers")
+        else:
+            out["decode_step_s"] = m(a, line)
+        flops = 2 * N / (given("decode_tflops") * 1e12)
+        out["decode_seq_s"] = m(max(per_seq - flops, 0.0), "b of that line less 2 N_active at decode_tflops")
+        if s.rollout.spec.enable_sleep_mode:
+            out["colocate_switch_s"] = m(
+                _median_s(lambda: (s.rollout.sleep(), s.rollout.wake_up())), "sleep then wake, median of 3"
+            )
+        rows = bench_sync.measure(s, Namespace(repeats=3))
+        total, nbytes = rows[0]["total_s"], rows[0]["bytes"]
+        out["sync_s"] = m(
+            max(total - nbytes / (given("sync_gbps") * 1e9), 0.0),
+            f"sync.mode {cfg.sync.mode}: {nbytes / 1e6:.1f} MB in {total:.3f} s, less their bytes at sync_gbps",
+        )
+        out.update(_trainer_fixed_costs(s, S, N, L, given, m, bench_trainer))
+    finally:
+        s.close()
+    return out
+
+
+def _trainer_fixed_costs(s, S: int, N: float, L: int, given, m, bench_trainer) -> dict:
+    """The trainer's per-call and per-layer-and-micro-batch costs: bench.trainer at S and S / 2 sequences of
+    84 tokens (69 of prompt: the demo's arithmetic), the line through both in micro-batches, less the FLOPs
+    at the file's train_tflops and logprob_tflops."""
+    tr = s.cfg.trainer
+    k = 8 if tr.activation_checkpointing else 6
+    seq, measured = 84, {}
+    for n in (S, S // 2):
+        args = Namespace(samples=n, seq_len=seq, prompt_len=69, warmup=1, steps=3, peak_tflops=0.0)
+        row = bench_trainer.measure(s, args)[0]
+        per_rank = n * seq / tr.num_ranks
+        micro = max(1, math.ceil(per_rank / (tr.micro_batch_tokens or tr.micro_batch_size * seq)))
+        measured[n] = (
+            micro,
+            row["train_step_s"] - k * N * per_rank / (given("train_tflops") * 1e12),
+            row["log_probs_s"] - 2 * N * per_rank / (given("logprob_tflops") * 1e12),
+        )
+    (m1, t1, l1), (m2, t2, l2) = measured[S], measured[S // 2]
+    out = {}
+    for name, hi, lo in (("train", t1, t2), ("logprob", l1, l2)):
+        per_micro = max((hi - lo) / max(m1 - m2, 1), 0.0)
+        note = f"bench.trainer at {S} and {S // 2} sequences of {seq} tokens ({m1} and {m2} micro-batches)"
+        out[f"{name}_layer_pass_s"] = m(per_micro / L, f"{note}: the slope over {L} decoder layers")
+        out[f"{name}_call_s"] = m(max(lo - m2 * per_micro, 0.0), f"{note}: the intercept")
+    return out
+
+
+def merge(device: str, figures: dict, path: Path = RATES_FILE) -> None:
+    """Write `figures` into the device's table, keeping its other figures."""
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    write(device, {**doc["devices"][device]["rates"], **figures}, path)
+
+
 def write(device: str, figures: dict, path: Path = RATES_FILE, load: list[float] | None = None) -> None:
     """Replace `device`'s rates in the file, keeping its header comment; `load`: the machine's 1-minute load
     average before and after the measurement (other work on the cores skews every figure)."""
@@ -215,8 +349,12 @@ def record_run(run_dir: Path, recipe: str, overrides: list[str], command: str, f
     prompt = statistics.median(
         r["perf/train_tokens"] / r["batch/samples"] - r["response_length/mean"] for r in rows
     )
+    from rl.config import load_config
+    from rl.plan_time import device_kind
+
     return {
         "name": run_dir.name,
+        "device": device_kind(load_config(recipe, overrides)),
         "recipe": recipe,
         "overrides": overrides,
         "prompt_len": round(prompt, 1),
@@ -248,8 +386,9 @@ def write_runs(runs: list[dict], path: Path = RATES_FILE) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.rates", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu-2core-dev", choices=["cpu-2core-dev"])
-    p.add_argument("--recipe", default="demo_cpu")
+    p.add_argument("--device", default="cpu-2core-dev", choices=["cpu-2core-dev", "h100-80gb", "h200"])
+    p.add_argument("--recipe", default="demo_cpu", help="a recipe name under recipes/ or a path")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides of the recipe")
     p.add_argument("--file", default=str(RATES_FILE))
     p.add_argument(
         "--record",
@@ -258,6 +397,13 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of measuring: record these runs' step times (`runs`), each made by `sparkrl train RECIPE "
         "trainer.total_steps=6 eval.every=0 eval.at_start=false trainer.checkpoint_every=0 run.name=NAME` plus "
         "the overrides in its runs/NAME.overrides file, if any",
+    )
+    p.add_argument(
+        "--first-step",
+        type=int,
+        default=2,
+        help="with --record: the first step counted (step 1 starts the engines and the trainer; on a GPU the "
+        "first two steps also tune kernels: 3 there)",
     )
     args = p.parse_args(argv)
     if args.record:
@@ -277,15 +423,20 @@ def main(argv: list[str] | None = None) -> int:
             ]
             recipe = f"recipes/{args.recipe}.yaml" if "/" not in args.recipe else args.recipe
             cmd = f"sparkrl train {recipe} {' '.join(overrides)} run.name={d.name}"
-            runs.append(record_run(d, recipe, overrides, cmd))
+            runs.append(record_run(d, recipe, overrides, cmd, first=args.first_step))
         write_runs(runs, Path(args.file))
         for r in runs:
             print(r["name"], r["step_s"], r["prompt_len"], r["response_len"])
         return 0
     command = "python -m bench.rates " + " ".join(argv if argv is not None else sys.argv[1:])
-    before = os.getloadavg()[0]
-    figures = measure_cpu(args.recipe, command.strip())
-    write(args.device, figures, Path(args.file), [before, os.getloadavg()[0]])
+    recipe = f"recipes/{args.recipe}.yaml" if "/" not in args.recipe else args.recipe
+    if args.device != "cpu-2core-dev":
+        figures = measure_gpu(args.device, recipe, args.overrides, command.strip())
+        merge(args.device, figures, Path(args.file))
+    else:
+        before = os.getloadavg()[0]
+        figures = measure_cpu(args.recipe, command.strip())
+        write(args.device, figures, Path(args.file), [before, os.getloadavg()[0]])
     for k, v in figures.items():
         print(f"{k:<20} {v['value']:g}  {v.get('note', '')}")
     return 0

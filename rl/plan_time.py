@@ -10,13 +10,18 @@ and R default to rollout.max_prompt_len and rollout.max_response_len, the bounds
 --prompt-len/--response-len` give expected lengths instead):
 - rollout decode, per engine: its S / rollout.num_workers sequences in waves of at most rollout.max_num_seqs
   (and what the KV cache holds on GPUs), R steps a wave; a step costs the engine's host time per step
-  (`decode_step_s`) plus the larger of reading the weights an engine GPU holds (`hbm_gbps`) and 2 N_active
-  FLOPs a sequence over TP GPUs (`decode_tflops`);
+  (`decode_step_s` with CUDA graphs; with rollout.enforce_eager, `decode_layer_step_eager_s` a decoder
+  layer, where the device kind has it: each layer's kernels launched one by one), plus a sequence's own cost
+  a step (`decode_seq_s`: sampling, log-probs, routing capture), plus the larger of reading the weights an
+  engine GPU holds (`hbm_gbps`) and 2 N_active FLOPs a sequence over TP GPUs (`decode_tflops`);
 - rollout prefill: 2 N_active FLOPs a prompt token (a prompt once with rollout.enable_prefix_caching, n times
   without) at `prefill_tflops` a GPU;
 - the log-prob pass (when it runs: docs/design.md, step 4): 2 N_active FLOPs a trainer token (Lp + R) at
   `logprob_tflops` a rank; the train passes: 6 N_active a token a epoch (8 N_active with
-  trainer.activation_checkpointing: the forward recomputed) at `train_tflops` a rank;
+  trainer.activation_checkpointing: the forward recomputed) at `train_tflops` a rank; each pass also costs
+  what does not scale with FLOPs, where the device kind has the figures: `train_call_s` a call (the Ray
+  call, batching, the optimizer) and `train_layer_pass_s` a decoder layer a micro-batch (kernel launches,
+  the layer's gather and hooks), and `logprob_call_s`, `logprob_layer_pass_s` for the log-prob pass;
 - FSDP2 all-gathers per micro-batch and pass (the forward, and the backward's re-gather): every rank receives
   (g - 1) / g of each gathered weight, g the ranks sharing it; without expert parallelism (EP) every weight
   over all trainer ranks, with EP the experts (bank and LoRA) over the num_ranks / EP ranks holding the same
@@ -29,6 +34,8 @@ and R default to rollout.max_prompt_len and rollout.max_response_len, the bounds
 - dequantization (trainer.base_format nvfp4): the packed weights a rank computes with, written in model.dtype
   once a pass and micro-batch, at `dequant_gbps`;
 - adapter sync: `sync_s` + the adapter's bytes (merged weights for sync.mode merged) at `sync_gbps`;
+- colocated engines (GPU, rollout.placement colocated) sleep before the trainer's phases and wake after:
+  `colocate_switch_s` + the engine's weights to host memory and back at `host_link_gbps`;
 - the driver's own work (reward scoring, advantages, Ray calls): `step_overhead_s`.
 
 The phases add up (the synchronous loop); with rollout.max_staleness > 0 the rollout overlaps the trainer's
@@ -82,6 +89,15 @@ def rate(kind: str, name: str, ranks: int = 0, rates: dict | None = None) -> Rat
     measured = f["kind"] == "measured"
     src = f"{f['command']} ({f['date']})" if measured else f["source"]
     return Rate(key, float(f["value"]), measured, src)
+
+
+def optional_rate(kind: str, name: str, ranks: int = 0, rates: dict | None = None) -> Rate | None:
+    """`rate`, or None where the device kind's table lacks the figure (the per-call costs bench.rates
+    measures on a GPU: a kind without them is timed by its FLOP and byte rates alone)."""
+    table = (rates or load_rates())["devices"][kind]["rates"]
+    if not any(k == name or k.startswith(name + "@") for k in table):
+        return None
+    return rate(kind, name, ranks, rates)
 
 
 @dataclass
@@ -162,6 +178,12 @@ def estimate_step(
     est = StepTime(kind, Lp, R, "; ".join(why), overlapped=ro.max_staleness > 0)
     r = lambda name, n=0: est.rates.setdefault(name + (f"@{n}" if n else ""), rate(kind, name, n, rates))  # noqa: E731
 
+    def o(name: str, n: int = 0) -> Rate | None:
+        f = optional_rate(kind, name, n, rates)
+        if f is not None:
+            est.rates.setdefault(name + (f"@{n}" if n else ""), f)
+        return f
+
     wbytes = plan.weight_bytes
     N = active_params(s)
     S = cfg.data.train_batch_size * ro.n
@@ -177,7 +199,12 @@ def estimate_step(
     weights_gpu = plan.r_weights + plan.r_lora
     mem_s = weights_gpu / (r("hbm_gbps").value * 1e9)
     flop_s = 2 * N * wave / tp / (r("decode_tflops").value * 1e12)
-    step = r("decode_step_s").value + max(mem_s, flop_s)
+    eager = o("decode_layer_step_eager_s") if ro.enforce_eager else None
+    host = s.num_layers * eager.value if eager else r("decode_step_s").value
+    if ro.enforce_eager and not eager and gpus:
+        est.notes.append("rollout.enforce_eager: no eager decode figure for this device; the CUDA-graph one")
+    per_seq = o("decode_seq_s")
+    step = host + (per_seq.value * wave if per_seq else 0.0) + max(mem_s, flop_s)
     est.phases["rollout decode"] = waves * R * step
     prompts = S if not ro.enable_prefix_caching else cfg.data.train_batch_size
     est.phases["rollout prefill"] = 2 * N * prompts * Lp / (engines * tp * r("prefill_tflops").value * 1e12)
@@ -189,10 +216,20 @@ def estimate_step(
     micro_batches = max(1, math.ceil(per_rank / micro))
     n_tr = ranks if not gpus else 0  # CPU ranks share the cores: the rate measured at that rank count
     logprob = logprob_pass_runs(cfg)
+
+    def fixed(pass_: str, passes: int) -> float:  # the pass's cost besides its FLOPs, where measured
+        call, layer = o(f"{pass_}_call_s", n_tr), o(f"{pass_}_layer_pass_s", n_tr)
+        per_layer = layer.value * s.num_layers * micro_batches * passes if layer else 0.0
+        return (call.value if call else 0.0) + per_layer
+
     if logprob:
-        est.phases["log-prob pass"] = 2 * N * per_rank / (r("logprob_tflops", n_tr).value * 1e12)
+        est.phases["log-prob pass"] = 2 * N * per_rank / (r("logprob_tflops", n_tr).value * 1e12) + fixed(
+            "logprob", 1
+        )
     train_flops = (8 if tr.activation_checkpointing else 6) * N * per_rank * tr.ppo_epochs
-    est.phases["train passes"] = train_flops / (r("train_tflops", n_tr).value * 1e12)
+    est.phases["train passes"] = train_flops / (r("train_tflops", n_tr).value * 1e12) + fixed(
+        "train", tr.ppo_epochs
+    )
 
     # passes that gather the weights, a micro-batch each: the log-prob forward, each epoch's forward and backward
     gathers = micro_batches * ((1 if logprob else 0) + 2 * tr.ppo_epochs)
@@ -248,7 +285,13 @@ def estimate_step(
     est.phases["adapter sync"] = r("sync_s").value + sync_bytes / (r("sync_gbps").value * 1e9)
     est.phases["driver"] = r("step_overhead_s").value
     if gpus and ro.placement == "colocated":
-        est.notes.append("not timed: the colocated engines' sleep and wake around the trainer's phases")
+        switch = o("colocate_switch_s")
+        if switch:
+            moved = 2 * weights_gpu  # to host memory at sleep, back at wake
+            est.bytes["sleep and wake"] = moved
+            est.phases["sleep and wake"] = switch.value + moved / (r("host_link_gbps").value * 1e9)
+        else:
+            est.notes.append("not timed: the colocated engines' sleep and wake around the trainer's phases")
     if not gpus:
         est.notes.append(
             "CPU: the figures were measured on the demo's tiny model; they are per-call costs more than FLOP rates"

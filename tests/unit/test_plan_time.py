@@ -103,10 +103,95 @@ def _runs():
     return plan_time.load_rates()["runs"]
 
 
+# How far the plan may be from a measured step: 30 % on the shared CPU cores, 25 % on a GPU
+TOLERANCE = {"cpu-2core-dev": 1.3, "h100-80gb": 1.25, "h200": 1.25}
+
+
 @pytest.mark.parametrize("run", _runs(), ids=lambda r: r["name"])
-def test_plan_within_30_percent_of_measured_cpu_steps(run):
+def test_plan_within_tolerance_of_measured_steps(run):
     est = _est(
         run["recipe"], *run["overrides"], prompt_len=run["prompt_len"], response_len=run["response_len"]
     )
-    ratio = est.step_s / run["step_s"]
-    assert 1 / 1.3 <= ratio <= 1.3, (run["name"], est.step_s, run["step_s"], est.phases)
+    assert est.kind == run.get("device", "cpu-2core-dev")
+    ratio, tol = est.step_s / run["step_s"], TOLERANCE[est.kind]
+    assert 1 / tol <= ratio <= tol, (run["name"], est.step_s, run["step_s"], est.phases)
+
+
+def test_per_call_costs_count_where_measured():
+    """A device kind with per-call figures adds them (eager decode a layer, a micro-batch's layer pass, the
+    colocated sleep and wake); one without them is timed by its FLOP and byte rates alone."""
+    import copy
+
+    cfg = load_config("recipes/gpu_demo.yaml", [])
+    plan = make_plan(cfg, advise=False)
+    rates = copy.deepcopy(plan_time.load_rates())
+    table = rates["devices"]["h100-80gb"]["rates"]
+    for name in ("decode_layer_step_eager_s", "decode_seq_s", "colocate_switch_s", "train_layer_pass_s"):
+        table.pop(name, None)
+    bare = plan_time.estimate_step(cfg, plan, rates=rates)
+    assert "sleep and wake" not in bare.phases
+    table.update(
+        decode_layer_step_eager_s={"value": 0.001, "kind": "assumed", "source": "t"},
+        colocate_switch_s={"value": 0.5, "kind": "assumed", "source": "t"},
+        train_layer_pass_s={"value": 0.002, "kind": "assumed", "source": "t"},
+    )
+    full = plan_time.estimate_step(cfg, plan, rates=rates)
+    table["decode_layer_step_eager_s"]["value"] = 0.002
+    slower = plan_time.estimate_step(cfg, plan, rates=rates)
+    layers, R = plan.shape.num_layers, cfg.rollout.max_response_len
+    assert full.phases["sleep and wake"] >= 0.5
+    # one wave of the 512 sequences: R decode steps, each `layers` eager layers
+    extra_decode = slower.phases["rollout decode"] - full.phases["rollout decode"]
+    assert extra_decode == pytest.approx(0.001 * layers * R, rel=1e-6)
+    micro = -(-64 * 8 * (256 + 32) // cfg.trainer.micro_batch_tokens)
+    extra = full.phases["train passes"] - bare.phases["train passes"]
+    assert extra == pytest.approx(0.002 * layers * micro, rel=1e-6)
+
+
+def test_trainer_fixed_costs_recovered_from_two_batch_sizes():
+    """bench.rates' GPU trainer figures: the line through S and S / 2 sequences in micro-batches gives back a
+    per-call and a per-layer-and-micro-batch cost. The trainer here is a stand-in whose times follow that
+    line exactly (the real one needs a GPU to show these costs), so the recovered figures must match."""
+    from argparse import Namespace
+
+    from bench import rates as bench_rates
+
+    call_s, layer_s, layers, N = 0.09, 0.012, 4, 1e6
+    cfg = load_config("recipes/gpu_demo.yaml", [])
+    rate = {"train_tflops": 265.0, "logprob_tflops": 228.0}
+
+    class Trainer:
+        @staticmethod
+        def measure(s, args):
+            tokens = args.samples * args.seq_len
+            micro = -(-tokens // s.cfg.trainer.micro_batch_tokens)
+            fixed = call_s + micro * layers * layer_s
+            return [
+                {
+                    "train_step_s": fixed + 6 * N * tokens / (rate["train_tflops"] * 1e12),
+                    "log_probs_s": fixed / 2 + 2 * N * tokens / (rate["logprob_tflops"] * 1e12),
+                }
+            ]
+
+    m = lambda value, note="": {"value": value}  # noqa: E731
+    out = bench_rates._trainer_fixed_costs(Namespace(cfg=cfg), 512, N, layers, rate.get, m, Trainer)
+    assert out["train_call_s"]["value"] == pytest.approx(call_s, rel=1e-6)
+    assert out["train_layer_pass_s"]["value"] == pytest.approx(layer_s, rel=1e-6)
+    assert out["logprob_call_s"]["value"] == pytest.approx(call_s / 2, rel=1e-6)
+    assert out["logprob_layer_pass_s"]["value"] == pytest.approx(layer_s / 2, rel=1e-6)
+
+
+def test_merge_keeps_the_figures_not_measured(tmp_path):
+    from bench import rates as bench_rates
+
+    path = tmp_path / "rates.yaml"
+    path.write_text(plan_time.RATES_FILE.read_text())
+    before = plan_time.load_rates(str(path))["devices"]["h100-80gb"]["rates"]
+    new = {"colocate_switch_s": {"value": 0.3, "kind": "measured", "date": "2026-12-06", "command": "x"}}
+    bench_rates.merge("h100-80gb", new, path)
+    after = plan_time.load_rates.__wrapped__(str(path))["devices"]["h100-80gb"]["rates"]
+    assert after["colocate_switch_s"]["value"] == 0.3
+    assert {k: v for k, v in after.items() if k != "colocate_switch_s"} == {
+        k: v for k, v in before.items() if k != "colocate_switch_s"
+    }
+    assert path.read_text().startswith("# Rates")  # the header comment kept
