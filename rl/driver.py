@@ -674,11 +674,13 @@ EPISODE_METRICS = {
     "turns": "rollout/turns",
     "tool_calls": "rollout/tool_calls",
     "tool_errors": "rollout/tool_errors",
+    "cached_tokens": "rollout/prefix_cached_tokens",
 }
 
 
 def episode_metrics(samples: list[Sample]) -> dict:
-    """Multi-turn counts (rollout.env): turns, tool calls and tool-call parse errors per episode (means),
+    """Multi-turn counts (rollout.env): turns, tool calls, tool-call parse errors and context tokens read
+    from the engine's prefix cache (an earlier turn's, or the prompt's) per episode (means),
     environment errors and timeouts (totals), and perf/env_s (environment seconds, summed over episodes:
     their steps overlap in a pool, so this is the work, not the wall time). Empty for one-turn batches."""
     eps = [s.episode for s in samples if s.episode is not None]

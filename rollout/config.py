@@ -64,7 +64,12 @@ class RolloutConfig:
         "without a correction the CPU demo stopped learning, docs/benchmarks.md).",
         ge=0,
     )
-    enable_prefix_caching: bool = _f(True, "Reuse the KV cache of a shared prompt across its n samples.")
+    enable_prefix_caching: bool = _f(
+        True,
+        "Reuse the KV cache of a shared prompt across its n samples, and of an episode's earlier turns "
+        "(rollout.env): each turn's context extends the last. Whole KV blocks only: on CPU, where vLLM's block "
+        "is 128 tokens, `rollout.engine_args: {block_size: 32}` lets shorter turns be reused.",
+    )
     moe_backend: str = _f(
         "auto",
         "MoE kernel for quantized experts (marlin: weight-only FP4 on Hopper).",

@@ -144,6 +144,7 @@ class TurnOutput:
     finish_reason: str  # "stop" (an end-of-turn / stop token) or "length"
     # [len(context) + len(token_ids) - 1, layers, top_k]: every row the call returned, cached prefix included
     routed: np.ndarray | None = None
+    cached_tokens: int = 0  # context tokens the engine read from its prefix cache instead of computing
 
 
 class TurnEngine(Protocol):
@@ -196,6 +197,7 @@ EPISODE_COUNTS = (
     "env_errors",
     "env_timeouts",
     "env_s",
+    "cached_tokens",
 )
 
 # Turn t of an episode samples with seed + t * TURN_SEED_STRIDE: seeds of different turns never collide
@@ -268,6 +270,7 @@ def _append_turn(e: Episode, out: TurnOutput) -> None:
         # token, the environment's tokens, this turn's) are this call's.
         done = 0 if e.routed is None else len(e.routed)
         e.routed = out.routed if done == 0 else np.concatenate([e.routed, out.routed[done:]])
+    e.info["cached_tokens"] += out.cached_tokens
     e.response_ids.extend(out.token_ids)
     e.logprobs.extend(np.asarray(out.logprobs, dtype=np.float32).tolist())
     e.mask.extend([True] * len(out.token_ids))

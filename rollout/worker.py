@@ -425,7 +425,8 @@ class RolloutWorker:
                 comp = out.outputs[0]
                 where = f"episode turn of {len(ctx)} context tokens"
                 ids, logp, routed = self._completion(comp, len(ctx), capture, where)
-                turn.append(TurnOutput(ids, logp, str(comp.finish_reason), routed))
+                cached = getattr(out, "num_cached_tokens", 0) or 0
+                turn.append(TurnOutput(ids, logp, str(comp.finish_reason), routed, cached))
             return turn
 
         max_total = rollout.max_total_tokens or rollout.max_prompt_len + rollout.max_response_len

