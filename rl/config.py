@@ -52,7 +52,10 @@ class MakeTinyConfig:
         "", "Tiny architecture to build ('' = off).", Registered("rl.models.registry", "TINY_CHOICES")
     )
     sft: str = _f(
-        "", "Supervised warm-up giving the tiny model a starting policy ('' = none).", ("", "arith")
+        "",
+        "Supervised warm-up giving the tiny model a starting policy ('' = none; arith: the CPU demo's; "
+        "arith_tool: arith, then calculator tool-call transcripts, the tool-use demo's).",
+        ("", "arith", "arith_tool"),
     )
     seed: int = _f(0, "Seed of the tiny model's initialisation and warm-up.")
     quantize: str = _f(

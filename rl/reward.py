@@ -735,7 +735,8 @@ def score_episodes(scorer, samples: Sequence[Sample], responses: Sequence[str], 
 
 def apply_env_reward(s: Sample) -> None:
     """A multi-turn episode whose environment returned a reward takes it over the reward function's: a number
-    (acc: > 0), or a dict with "score" and optionally "acc" and "pred"."""
+    (acc: > 0), or a dict with "score" and optionally "acc" and "pred". Without a "pred" the episode's
+    prediction is "" (none, as a checker that found no answer says), which eval records and maj@k need."""
     reward = (s.episode or {}).get("reward")
     if reward is None:
         return
@@ -745,3 +746,5 @@ def apply_env_reward(s: Sample) -> None:
         s.pred = str(reward["pred"]) if "pred" in reward else s.pred
     else:
         s.reward, s.acc = float(reward), float(reward) > 0
+    if s.pred is None:
+        s.pred = ""

@@ -1,7 +1,8 @@
 """`sparkrl make-tiny`: small Hugging Face models for tests and the CPU demo, built with no hub access.
 
 Each model gets a byte-level BPE tokenizer trained here on text from the synthetic arithmetic source
-(digits split one per token, as Qwen's tokenizer does, so arithmetic stays learnable), a chat template,
+(digits split one per token, as Qwen's tokenizer does, so arithmetic stays learnable; being byte-level, it
+encodes any other text too, tool calls and their JSON included, only in more tokens), a chat template,
 and random weights drawn from a seed. Everything is deterministic for (arch, seed, sft): the result is
 cached under `<cache>/tiny/<key>` where key hashes those arguments and the source of the builder, and
 `--out` receives a copy.
@@ -38,6 +39,9 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{%- endif %}"
 )
 VOCAB_SIZE = 1024
+# The supervised warm-ups: `arith` (rl.tiny_sft) from random weights; `arith_tool` (rl.tiny_tool_sft)
+# continues from the `arith` model's weights, a short extra fine-tune on calculator tool-call transcripts.
+SFT_MODES = ("arith", "arith_tool")
 
 
 def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int):
@@ -125,6 +129,14 @@ def cache_key(arch: str, seed: int, sft: str | None) -> str:
     h.update(json.dumps([arch, seed, sft, transformers.__version__, torch.__version__]).encode())
     for module in (__file__, tiny_sft.__file__, make_rows.__code__.co_filename, *_family_sources(arch)):
         h.update(Path(module).read_bytes())
+    if sft == "arith_tool":
+        # Only this mode hashes the tool warm-up's code (the `arith` model's key, and so its cache entry,
+        # does not move when it changes); the base model it continues from is named by its own key.
+        from rl import tiny_tool_sft
+
+        h.update(cache_key(arch, seed, "arith").encode())
+        for module in tiny_tool_sft.sources():
+            h.update(Path(module).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -149,14 +161,16 @@ def make_tiny(
     """Build (or take from the cache) a tiny model; copy it to `out` when given. Returns the model dir.
 
     `sft="arith"` fine-tunes it on noisy arithmetic (rl.tiny_sft) so that its sampled accuracy on
-    held-out problems lands between 0.3 and 0.6: the starting point of the CPU demo. The families' classes
+    held-out problems lands between 0.3 and 0.6: the starting point of the CPU demo. `sft="arith_tool"`
+    fine-tunes that model further on noisy calculator tool-call transcripts (rl.tiny_tool_sft): the starting
+    point of the tool-use demo (docs/environments.md). The families' classes
     are registered with transformers' Auto classes, so the directory loads in this process.
     """
     if arch not in ARCHES:
         raise ValueError(f"make-tiny: --arch must be one of {', '.join(ARCHES)}, got {arch!r}")
     register_auto_classes()
-    if sft not in (None, "arith"):
-        raise ValueError(f"make-tiny: --sft must be 'arith' or absent, got {sft!r}")
+    if sft is not None and sft not in SFT_MODES:
+        raise ValueError(f"make-tiny: --sft must be one of {', '.join(SFT_MODES)} or absent, got {sft!r}")
     cached = cache_dir() / "tiny" / f"{arch}-s{seed}{'-' + sft if sft else ''}-{cache_key(arch, seed, sft)}"
     if not (cached / "config.json").exists():
         with build_lock(cached):
@@ -180,8 +194,18 @@ def build_lock(target: Path):
 
 
 def _build_into(target: Path, arch: str, seed: int, sft: str | None) -> None:
-    model, tokenizer = build(arch, seed)
     report = None
+    if sft == "arith_tool":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from rl import tiny_tool_sft
+
+        base = make_tiny(arch, seed=seed, sft="arith")
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        report = tiny_tool_sft.train(model, tokenizer, seed=seed)
+    else:
+        model, tokenizer = build(arch, seed)
     if sft == "arith":
         from rl import tiny_sft
 

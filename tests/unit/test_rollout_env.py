@@ -281,6 +281,7 @@ def test_env_reward_and_episode_metrics():
     for s in (a, b, c):
         apply_env_reward(s)
     assert (a.reward, a.acc, b.reward, b.acc, c.reward) == (1.0, True, 0.5, False, -1.0)
+    assert (a.pred, b.pred, c.pred) == ("", "", None)  # an env reward without a pred: no answer, for maj@k
     m = episode_metrics([a, b, c])
     assert m["rollout/turns"] == 3 and m["rollout/env_timeouts"] == 2 and m["perf/env_s"] == 1.0
     assert episode_metrics([c]) == {}

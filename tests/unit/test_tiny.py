@@ -139,3 +139,32 @@ def test_sft_progress_without_a_terminal_is_a_line_every_five_percent(capsys):
     assert len(lines) == 20
     assert lines[0].startswith("sft arith: step 25/500 (5%), loss 1.952")
     assert lines[-1].startswith("sft arith: step 500/500 (100%), loss 1.002")
+
+
+def test_the_tool_warmup_code_moves_only_its_own_cache_key(tmp_path, monkeypatch):
+    """The CPU demo's model (`arith`) keeps its key, and so its cached bytes, whatever the tool warm-up's
+    code; the `arith_tool` model's key follows that code and the `arith` model's key."""
+    from rl import tiny_tool_sft
+
+    arith, tool = tiny.cache_key("qwen3_moe", 0, "arith"), tiny.cache_key("qwen3_moe", 0, "arith_tool")
+    assert tool != arith
+    edited = tmp_path / "edited.py"
+    edited.write_text("STEPS = 1\n")
+    monkeypatch.setattr(tiny_tool_sft, "sources", lambda: [edited])
+    assert tiny.cache_key("qwen3_moe", 0, "arith") == arith
+    assert tiny.cache_key("qwen3_moe", 0, "arith_tool") not in (tool, arith)
+
+
+def test_unknown_sft_is_a_clear_error():
+    with pytest.raises(ValueError, match="--sft must be one of arith, arith_tool"):
+        tiny.make_tiny("qwen3_moe", sft="tools")
+
+
+def test_make_tiny_command_reports_a_warmup_without_an_accuracy_band(tmp_path, monkeypatch, capsys):
+    """The tool warm-up's report has no held-out accuracy (a run measures it): the command prints the path."""
+    built = tmp_path / "m"
+    built.mkdir()
+    (built / "sft_report.json").write_text(json.dumps({"base": "arith", "train_s": 1.0}))
+    monkeypatch.setattr(tiny, "make_tiny", lambda arch, out, seed, sft: built)
+    assert main(["make-tiny", "--arch", "qwen3_moe", "--sft", "arith_tool", "--out", str(built)]) == 0
+    assert capsys.readouterr().out.strip() == f"make-tiny: qwen3_moe model (sft arith_tool) at {built}"
