@@ -98,7 +98,8 @@ class RolloutConfig:
     env_workers: int = _f(8, "Threads a rollout worker runs environment steps in, at once.", ge=1)
     env_timeout_s: float = _f(
         60.0,
-        "Longest one turn's environment steps may take; a step past it ends its episode (0 = no limit).",
+        "Longest one environment step may run, from when it begins (not from its wait for one of "
+        "rollout.env_workers); a step past it ends its episode, its thread left to finish (0 = no limit).",
         ge=0,
     )
     engine_args: dict[str, Any] = _f(

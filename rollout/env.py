@@ -16,8 +16,7 @@ import json
 import re
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -203,6 +202,7 @@ EPISODE_COUNTS = (
 # Turn t of an episode samples with seed + t * TURN_SEED_STRIDE: seeds of different turns never collide
 # with another request's (a batch's seeds span far less than 2**32).
 TURN_SEED_STRIDE = 1 << 32
+STEP_POLL_S = 0.05  # how often the wait for environment steps looks at steps not yet begun
 
 
 def run_episodes(
@@ -277,6 +277,39 @@ def _append_turn(e: Episode, out: TurnOutput) -> None:
     e.finish_reason = out.finish_reason
 
 
+def _timed_step(env, text: str, calls: list, started: list[float]) -> tuple[Any, float]:
+    started.append(time.perf_counter())
+    result = env.step(text, calls)
+    return result, time.perf_counter() - started[0]
+
+
+def _wait_steps(steps: list[tuple[Future, list[float]]], timeout_s: float) -> set[Future]:
+    """Wait for every step; those running longer than `timeout_s` (0: no limit) since they began, not since
+    they were queued (with more episodes than rollout.env_workers, steps wait their turn in the pool), are
+    returned as timed out. Their threads run on (Python cannot stop a thread) and hold a worker until the
+    step returns."""
+    pending = {f for f, _ in steps}
+    if timeout_s <= 0:
+        wait(pending)
+        return set()
+    began = {f: s for f, s in steps}
+    timed_out: set[Future] = set()
+    while pending:
+        now = time.perf_counter()
+        late = {f for f in pending if began[f] and now - began[f][0] > timeout_s}
+        timed_out |= late
+        pending -= late
+        if not pending:
+            break
+        left = [began[f][0] + timeout_s - now for f in pending if began[f]]
+        # wake at the earliest running step's deadline; poll while some steps still wait to begin
+        until = min(left, default=STEP_POLL_S)
+        if len(left) < len(pending):
+            until = min(until, STEP_POLL_S)
+        _, pending = wait(pending, timeout=max(until, 0.001), return_when=FIRST_COMPLETED)
+    return timed_out
+
+
 def _step_envs(episodes: list[Episode], tokenizer, limits: EpisodeLimits, parser, pool, final: bool) -> None:
     if not episodes:
         return
@@ -288,24 +321,23 @@ def _step_envs(episodes: list[Episode], tokenizer, limits: EpisodeLimits, parser
         calls, bad = parser(text)
         e.info["tool_calls"] += len(calls) + bad
         e.info["tool_errors"] += bad
-        futures.append((e, time.perf_counter(), pool.submit(e.env.step, text, calls)))
-    deadline = time.perf_counter() + limits.env_timeout_s if limits.env_timeout_s > 0 else None
-    for e, t0, fut in futures:
-        try:
-            result = fut.result(
-                timeout=None if deadline is None else max(0.0, deadline - time.perf_counter())
-            )
-        except FutureTimeout:
+        started: list[float] = []  # set by the worker thread when the step begins
+        futures.append((e, started, pool.submit(_timed_step, e.env, text, calls, started)))
+    timed_out = _wait_steps([(f, s) for _, s, f in futures], limits.env_timeout_s)
+    for e, started, fut in futures:
+        if fut in timed_out:
             e.info["env_timeouts"] += 1
-            e.info["env_s"] += time.perf_counter() - t0
+            e.info["env_s"] += time.perf_counter() - started[0]
             e.done = True
             continue
+        try:
+            result, seconds = fut.result()
         except Exception:
             e.info["env_errors"] += 1
-            e.info["env_s"] += time.perf_counter() - t0
+            e.info["env_s"] += time.perf_counter() - started[0] if started else 0.0
             e.done = True
             continue
-        e.info["env_s"] += time.perf_counter() - t0
+        e.info["env_s"] += seconds
         if not isinstance(result, EnvStep):
             e.info["env_errors"] += 1
             e.done = True

@@ -207,6 +207,32 @@ def test_env_error_and_timeout_end_the_episode(tok):
         assert e.mask[-1]
 
 
+class SlowEnv:
+    """Each step takes `seconds`; done after the second."""
+
+    def __init__(self, row, seconds):
+        self.seconds, self.steps = seconds, 0
+
+    def step(self, text, calls):
+        self.steps += 1
+        time.sleep(self.seconds)
+        return EnvStep([{"role": "tool", "content": "r"}], self.steps >= 2)
+
+
+def test_env_timeout_counts_from_the_step_start_not_its_queueing(tok):
+    """12 episodes on 2 env workers: steps of 0.2 s wait up to 1.0 s and more in the pool's queue before they
+    begin, longer than env_timeout_s 1.0 (counted from submission, the last ones would time out); none of
+    them does, each step running a fifth of the limit. A step of 3 s does."""
+    end = tok.convert_tokens_to_ids(EOS_TOKEN)
+    engine = FakeEngine(tok, _script(tok), end)
+    envs = [SlowEnv({}, 0.2) for _ in range(12)] + [SlowEnv({}, 3.0)]
+    eps = run_episodes(envs, [[5, 6]] * 13, list(range(13)), engine, tok, _limits(env_timeout_s=1.0), 64)
+    for e in eps[:12]:
+        assert e.info["env_timeouts"] == 0 and e.info["turns"] == 2, e.info
+        assert 0.35 <= e.info["env_s"] < 1.5  # two steps' own time, not their time in the queue
+    assert eps[12].info["env_timeouts"] == 1 and eps[12].info["turns"] == 1
+
+
 # ---- config, preflight, reward and metrics -----------------------------------------------------------
 
 ENV_FILE = """
