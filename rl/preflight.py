@@ -481,6 +481,12 @@ def env_problems(cfg: SparkConfig, dataset=None) -> list[str]:
         return [str(e)]
     if not callable(getattr(cls, "step", None)):
         return [f"rollout.env: {ro.env} has no step(assistant_text, tool_calls) method"]
+    from rl.data.loader import tool_schemas
+
+    try:
+        tool_schemas(getattr(cls, "tools", None), f"rollout.env: {ro.env}")
+    except ValueError as e:
+        return [str(e)]
     if dataset is None or len(dataset) == 0:
         return []
     row = dataset[0]

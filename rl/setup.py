@@ -79,11 +79,24 @@ def load_prompts_for(cfg: SparkConfig, spec: str, tokenizer, split: str, rows: i
         cfg.rollout.max_prompt_len,
         cfg.data.prompt_key,
         dict(cfg.data.chat_template_kwargs),
+        env_tools(cfg),
     )
     note = f", {source.num_duplicates} duplicates dropped" if source.num_duplicates else ""
     note += f", {dropped} over rollout.max_prompt_len dropped" if dropped else ""
     print(f"data: {len(prompts)} prompts from {spec}{note}")
     return prompts
+
+
+def env_tools(cfg: SparkConfig) -> list[dict] | None:
+    """The tool schemas of `rollout.env`'s class (its `tools` attribute), which the chat template renders
+    into every prompt; None without an environment or without tools."""
+    if not cfg.rollout.env:
+        return None
+    from rl.core import user_code
+    from rl.data.loader import tool_schemas
+
+    env_cls = user_code.resolve("rollout.env", cfg.rollout.env)
+    return tool_schemas(getattr(env_cls, "tools", None), f"rollout.env {cfg.rollout.env}")
 
 
 def init_ray(cfg: SparkConfig, log_dir: Path | None = None) -> bool:

@@ -40,23 +40,48 @@ def reward_extra_info(row: dict, prompt_key: str = "prompt") -> dict:
     return extra
 
 
+def tool_schemas(value: Any, where: str) -> list[dict] | None:
+    """The tool descriptions a prompt is rendered with (the chat template's `tools`: JSON schemas, e.g.
+    {"type": "function", "function": {"name": ..., "parameters": {...}}}): a list of dicts, or its JSON text
+    (as a dataset column often stores it); None or empty: none. ValueError naming `where` otherwise."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{where}: tools must be a JSON list of tool schemas, got text that is not JSON ({e})"
+            ) from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(x, dict) for x in value):
+        raise ValueError(f"{where}: tools must be a list of tool schemas (dicts), got {type(value).__name__}")
+    return [dict(x) for x in value] or None
+
+
 def tokenize_prompts(
     dataset,
     tokenizer,
     max_prompt_len: int,
     prompt_key: str = "prompt",
     chat_template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
 ) -> tuple[list[Prompt], int]:
-    """(prompts that fit, number dropped for length) from a verl-schema dataset."""
+    """(prompts that fit, number dropped for length) from a verl-schema dataset. `tools`: the tool schemas
+    every prompt is rendered with (an environment's `tools`); a row's own `tools` column takes precedence."""
     if prompt_key not in dataset.column_names:
         raise ValueError(
             f"data.prompt_key: column {prompt_key!r} is not in the dataset (columns: "
             f"{', '.join(dataset.column_names)})"
         )
+    has_tools = "tools" in dataset.column_names
     kept, dropped = [], 0
     for i, row in enumerate(dataset):
+        row_tools = tool_schemas(row["tools"], f"row {i}, column 'tools'") if has_tools else None
+        kwargs = dict(chat_template_kwargs or {})
+        if row_tools or tools:
+            kwargs["tools"] = row_tools or tools
         ids = tokenizer.apply_chat_template(
-            row[prompt_key], add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})
+            row[prompt_key], add_generation_prompt=True, tokenize=True, **kwargs
         )
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]

@@ -8,6 +8,7 @@ without vLLM. tests/integration/test_rollout_env.py runs the same loop on the re
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -248,6 +249,14 @@ class Good:
         return EnvStep(done=True, reward=float(self.scale))
 
 
+class WithTools(Good):
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+
+
+class BadTools(Good):
+    tools = ["calc"]  # names, not schemas
+
+
 class Broken:
     def __init__(self, row):
         raise KeyError("needs a tools column")
@@ -284,6 +293,54 @@ def test_env_config_and_preflight(tmp_path):
         load_config("demo_cpu", [*base, "rollout.max_total_tokens=100000"])
     with pytest.raises(ConfigError, match="rollout.env"):
         load_config("demo_cpu", [*base, "rollout.env=not_an_import_path"])
+
+
+# A chat template that lists the tools it is given before the conversation, as Qwen3's and Muse's do
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{ 'TOOLS ' }}{%- for t in tools %}{{ t['function']['name'] + ' ' }}{%- endfor %}"
+    "{%- endif %}{%- for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{%- endif %}"
+)
+
+
+def test_prompts_render_the_environments_tools(tok, tmp_path):
+    """An environment's `tools` reach the chat template of every prompt (a row's own `tools` column takes
+    precedence); malformed tools are one line naming the row or the class, at load and in the preflight."""
+    import copy
+
+    import datasets
+
+    from rl.config import load_config
+    from rl.data.loader import tokenize_prompts
+    from rl.preflight import env_problems
+    from rl.setup import env_tools
+
+    tok = copy.deepcopy(tok)
+    tok.chat_template = TOOLS_TEMPLATE
+    env_file = tmp_path / "my_env.py"
+    env_file.write_text(ENV_FILE)
+    cfg = load_config("demo_cpu", ["logging.tensorboard=false", f"rollout.env={env_file}:WithTools"])
+    tools = env_tools(cfg)
+    assert [x["function"]["name"] for x in tools] == ["calc"]
+    row = {
+        "data_source": "d",
+        "reward_model": {"ground_truth": "5"},
+        "prompt": [{"role": "user", "content": "2+3"}],
+    }
+    own = json.dumps([{"type": "function", "function": {"name": "search"}}])
+    ds = datasets.Dataset.from_list([{**row, "tools": ""}, {**row, "tools": own}])
+    prompts, _ = tokenize_prompts(ds, tok, 256, tools=tools)
+    texts = [tok.decode(p.prompt_ids) for p in prompts]
+    assert texts[0].startswith("TOOLS calc ") and texts[1].startswith("TOOLS search ")
+    (plain,), _ = tokenize_prompts(datasets.Dataset.from_list([row]), tok, 256)
+    assert "TOOLS" not in tok.decode(plain.prompt_ids)  # no environment tools, no tools column
+
+    bad = datasets.Dataset.from_list([{**row, "tools": "[not json"}])
+    with pytest.raises(ValueError, match=r"row 0, column 'tools': tools must be a JSON list"):
+        tokenize_prompts(bad, tok, 256)
+    cfg.rollout.env = f"{env_file}:BadTools"
+    (problem,) = env_problems(cfg)
+    assert problem.startswith("rollout.env:") and "tools must be a list of tool schemas" in problem
 
 
 def test_env_reward_and_episode_metrics():
