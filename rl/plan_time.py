@@ -292,6 +292,11 @@ def estimate_step(
             est.phases["sleep and wake"] = switch.value + moved / (r("host_link_gbps").value * 1e9)
         else:
             est.notes.append("not timed: the colocated engines' sleep and wake around the trainer's phases")
+    if ro.env:
+        est.notes.append(
+            f"rollout.env: the response is the whole episode (up to {ro.max_turns} turns and the environment's "
+            "messages, generated tokens timed as decode); the environment's own time is not timed"
+        )
     if not gpus:
         est.notes.append(
             "CPU: the figures were measured on the demo's tiny model; they are per-call costs more than FLOP rates"
