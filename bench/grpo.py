@@ -17,6 +17,10 @@ them: `plan_rollout_gib` (colocated: the trainer's resident state + vLLM's budge
 adds MFU: 6 N T / s over that rate, N the active parameters (routed experts at top_k / num_experts, no
 embeddings), T / s the median `perf/train_tokens_per_s`.
 
+`--budget-s S` stops before a step that would end past S seconds from the start of the run (the longest
+step so far as its estimate), so that a call with a time limit still writes its table: the steps run are
+the rows.
+
     python -m bench.grpo RECIPE [key=value ...] trainer.total_steps=20 [--max-staleness 0,1] [--peak-tflops R]
 """
 
@@ -178,9 +182,16 @@ def plan_comparison(cfg, summary: dict) -> None:
         summary["train_vs_plan"] = max(trained) / summary["plan_train_gib"]
 
 
-def run_steps(cfg, peak_tflops: float = 0.0) -> list[dict]:
-    """`trainer.total_steps` steps of `cfg` into a run directory of their own; the rows of its metrics, with
-    each phase's peak device memory on GPUs and, with `peak_tflops`, MFU."""
+def next_step_fits(elapsed_s: float, step_s: list[float], budget_s: float) -> bool:
+    """Whether one more step, as long as the longest so far, ends within `budget_s` (0: no budget; the
+    first step always runs)."""
+    return not budget_s or not step_s or elapsed_s + max(step_s) <= budget_s
+
+
+def run_steps(cfg, peak_tflops: float = 0.0, budget_s: float = 0.0) -> list[dict]:
+    """`trainer.total_steps` steps of `cfg` into a run directory of their own (fewer where the next would
+    end past `budget_s` seconds from the start); the rows of its metrics, with each phase's peak device
+    memory on GPUs and, with `peak_tflops`, MFU."""
     from rl.config import run_dir
     from rl.driver import Run
 
@@ -190,13 +201,20 @@ def run_steps(cfg, peak_tflops: float = 0.0) -> list[dict]:
     cfg.trainer.checkpoint_every = 0
     memory = DeviceMemory.on_gpus() if cfg.resources.num_gpus else None
     starts: dict[int, float] = {}
+    began, took = time.perf_counter(), []
     run = Run(cfg)
     try:
         with memory or contextlib.nullcontext():
             for step in range(1, cfg.trainer.total_steps + 1):
+                if not next_step_fits(time.perf_counter() - began, took, budget_s):
+                    print(
+                        f"bench.grpo: stopped before step {step}: it would end past --budget-s {budget_s:g}"
+                    )
+                    break
                 run.step = step
                 starts[step] = time.perf_counter()
                 run.log.log(step, run.train_step(step))
+                took.append(time.perf_counter() - starts[step])
     finally:
         run.log.close()
         run.close()
@@ -221,13 +239,13 @@ def measure(s, args) -> list[dict]:
     from rl.config import load_config
 
     if not args.max_staleness:
-        return run_steps(s.cfg, args.peak_tflops)
+        return run_steps(s.cfg, args.peak_tflops, args.budget_s)
     rows, first = [], None
     for k in args.max_staleness:
         # load_config validates each value as `sparkrl train` would (colocated GPU placement refuses k > 0)
         cfg = load_config(args.recipe, [*args.overrides, f"rollout.max_staleness={k}"])
         cfg.run.name = f"{cfg.run.name}-k{k}"
-        run_rows = [{"max_staleness": k, **r} for r in run_steps(cfg, args.peak_tflops)]
+        run_rows = [{"max_staleness": k, **r} for r in run_steps(cfg, args.peak_tflops, args.budget_s)]
         summary = run_rows[-1]
         first = summary["step_s"] if first is None else first
         summary["step_s_vs_first"] = summary["step_s"] / first
@@ -241,6 +259,12 @@ def _args(p) -> None:
         type=lambda t: [int(x) for x in t.split(",")],
         default=None,
         help="comma-separated rollout.max_staleness values, one run each (default: the config's own)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="stop before a step that would end past this many seconds from the run's start (0: none)",
     )
     p.add_argument(
         "--peak-tflops",

@@ -26,3 +26,13 @@ def test_rows_are_the_steps_and_their_median_leaves_out_the_first(tmp_path):
     assert median["step_s"] == 5.0 and median["k3_kl"] == pytest.approx(3e-5)
     assert median["sync_share"] == 1.0 / 5.0
     assert median["rollout_s"] is None  # absent from every step: no figure made up
+
+
+def test_budget_stops_before_a_step_that_would_end_past_it():
+    from bench.grpo import next_step_fits
+
+    assert next_step_fits(0.0, [], 10.0)  # the first step always runs
+    assert next_step_fits(500.0, [], 10.0)
+    assert next_step_fits(230.0, [130.0, 90.0], 400.0)  # 230 + 130 = 360
+    assert not next_step_fits(300.0, [130.0, 90.0], 400.0)  # the longest step so far would end at 430
+    assert next_step_fits(1e6, [1e3], 0.0)  # no budget
