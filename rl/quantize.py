@@ -94,6 +94,11 @@ def register(subparsers) -> None:
     p.add_argument(
         "--device", default=None, help="where the codes are drawn (default: cuda if present, else cpu)"
     )
+    p.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write everything but the tensors: what `sparkrl plan` needs to size a recipe on it",
+    )
     p.set_defaults(func=_run_make_random)
 
 
@@ -284,12 +289,14 @@ def make_random(
     device: str | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     report=print,
+    config_only: bool = False,
 ) -> Path:
     """Writes a random-weight NVFP4 checkpoint of `arch` (preset_config) to `out`: config.json with the
     quantization_config `sparkrl quantize` writes, the same tensor names, dtypes and shapes, safetensors
     shards of at most about `max_shard_bytes` and their index, generation_config.json and a tokenizer
     (padded_tokenizer). Each quantized weight's triple is drawn directly (random_nvfp4), so peak host
-    memory is one shard, not the model. Deterministic for (arch, sizes, seed, device)."""
+    memory is one shard, not the model. Deterministic for (arch, sizes, seed, device). `config_only`: all
+    but the tensors, what `sparkrl plan` reads to size a recipe on the checkpoint before it is written."""
     import torch
     from compressed_tensors.entrypoints.convert.convert_file import write_checkpoint_quantization_config
     from safetensors.torch import save_file
@@ -328,7 +335,7 @@ def make_random(
                 shards.append(list(buffer))
                 buffer, size = {}, 0
 
-        for name, meta in layout.items():
+        for name, meta in {} if config_only else layout.items():
             module = name.rpartition(".")[0]
             seed_n = _tensor_seed(seed, name)
             if quantizer.targeted(name, meta):
@@ -348,8 +355,9 @@ def make_random(
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             os.rename(tmp / f"part-{i:05d}.safetensors", tmp / file)
             weight_map.update(dict.fromkeys(names, file))
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if not config_only:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         config.save_pretrained(tmp)
         write_checkpoint_quantization_config(tmp, quantizer)
         GenerationConfig(
@@ -366,6 +374,7 @@ def make_random(
                     "device": device,
                     "std": std,
                     "written_by": "sparkrl make-random",
+                    "config_only": config_only,
                 },
                 indent=2,
             )
@@ -375,7 +384,8 @@ def make_random(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    report(f"make-random: {total / 2**30:.2f} GiB of tensors in {time.perf_counter() - start:.0f} s")
+    if not config_only:
+        report(f"make-random: {total / 2**30:.2f} GiB of tensors in {time.perf_counter() - start:.0f} s")
     return out
 
 
@@ -387,6 +397,12 @@ def _run_make_random(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         seed=args.seed,
         device=args.device,
+        config_only=args.config_only,
     )
-    print(f"make-random: {args.arch} NVFP4 checkpoint with random weights at {path}")
+    what = (
+        "config, no tensors (for sparkrl plan)"
+        if args.config_only
+        else "NVFP4 checkpoint with random weights"
+    )
+    print(f"make-random: {args.arch} {what} at {path}")
     return 0

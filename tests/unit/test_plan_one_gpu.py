@@ -161,3 +161,27 @@ def test_gpu_demo_recipe_plans_and_passes_preflight():
     # Without make_tiny.quantize the trainer would hold the BF16 model, and the plan says so
     bf16 = P.make_plan(load_config(recipe, ["model.make_tiny.quantize=", "trainer.base_format=auto"]))
     assert (bf16.rollout_format, bf16.base_format) == ("bfloat16", "bf16")
+
+
+def test_muse_slice_recipe_fits_two_full_width_layers_on_80gib(tmp_path):
+    """bench/muse_slice_1gpu.yaml on the config `sparkrl make-random muse_full_width --config-only`
+    writes (no tensors): two full-width layers fit one 80 GiB GPU with the reference run's LoRA and
+    micro-batch; a third leaves less than a GiB."""
+    from rl.quantize import make_random
+
+    margins = {}
+    for layers in (2, 3):
+        path = make_random("muse_full_width", tmp_path / f"m{layers}", layers=layers, config_only=True)
+        assert not list(path.glob("*.safetensors")) and (path / "config.json").is_file()
+        cfg = load_config(ROOT / "bench" / "muse_slice_1gpu.yaml", [f"model.path={path}"])
+        p = P.make_plan(cfg)
+        assert (p.rollout_format, p.base_format, p.shape.num_layers, p.shape.hidden) == (
+            "nvfp4",
+            "nvfp4",
+            layers,
+            8192,
+        )
+        assert p.shape.num_experts == 256 and cfg.trainer.micro_batch_tokens == 16384
+        margins[layers] = p.margin / GiB
+    assert margins[2] == pytest.approx(10.0, abs=0.05)  # the margin the recipe's comment states
+    assert margins[3] < 1.0
