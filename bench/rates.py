@@ -158,14 +158,8 @@ def measure_cpu(recipe: str, command: str) -> dict:
 
     s = start(cfg, rollout=True, trainer=True)
     try:
-        steps = {}
-        for b in (64, 512):
-            bench_rollout.timed(s, b, 24, 4, seed=10_000 + b)
-            runs = sorted(bench_rollout.timed(s, b, 24, 16, seed=b + 1000 * r) for r in range(3))
-            sec, tokens = runs[1]
-            steps[b] = sec / max(tokens / b, 1)
-        per_seq = (steps[512] - steps[64]) / (512 - 64)
-        out["decode_step_s"] = m(max(steps[64] - 64 * per_seq, 0.0), "a + b x batch through batch 64 and 512")
+        a, per_seq, _ = _decode_line(s, bench_rollout)
+        out["decode_step_s"] = m(a, "a + b x batch through batch 64 and 512")
         out["decode_tflops"] = m(2 * N / max(per_seq, 1e-9) / 1e12, "2 N_active / b of that line")
         out["prefill_tflops"] = dict(
             out["matmul_tflops"], note="the matmul rate: a prefill is batched matmuls"
@@ -187,6 +181,19 @@ def measure_cpu(recipe: str, command: str) -> dict:
     finally:
         s.close()
     return out
+
+
+def _decode_line(s, bench_rollout) -> tuple[float, float, dict[int, float]]:
+    """(a, b, seconds a decode step by batch) of the line a + b x batch through the engine's decode step at
+    batch 64 and 512 (prompts of 24 tokens, 16 generated; the median of 3 after a warm-up)."""
+    steps = {}
+    for b in (64, 512):
+        bench_rollout.timed(s, b, 24, 4, seed=10_000 + b)
+        runs = sorted(bench_rollout.timed(s, b, 24, 16, seed=b + 1000 * r) for r in range(3))
+        sec, tokens = runs[1]
+        steps[b] = sec / max(tokens / b, 1)
+    per_seq = (steps[512] - steps[64]) / (512 - 64)
+    return max(steps[64] - 64 * per_seq, 0.0), per_seq, steps
 
 
 def _trainer_rates(s, N: float, m, bench_trainer, ranks: int) -> dict:
@@ -249,14 +256,7 @@ def measure_gpu(device: str, recipe: str, overrides: list[str], command: str) ->
     out["step_overhead_s"] = m(_reward_s(S), f"math_dapo on {S} responses")
     s = start(cfg, rollout=True, trainer=True)
     try:
-        steps = {}
-        for b in (64, 512):
-            bench_rollout.timed(s, b, 24, 4, seed=10_000 + b)
-            runs = sorted(bench_rollout.timed(s, b, 24, 16, seed=b + 1000 * r) for r in range(3))
-            sec, tokens = runs[1]
-            steps[b] = sec / max(tokens / b, 1)
-        per_seq = (steps[512] - steps[64]) / (512 - 64)
-        a = max(steps[64] - 64 * per_seq, 0.0)
+        a, per_seq, steps = _decode_line(s, bench_rollout)
         line = (
             f"a + b x batch through batch 64 ({steps[64] * 1e3:.2f} ms) and 512 ({steps[512] * 1e3:.2f} ms)"
         )
