@@ -117,6 +117,19 @@ def _copy_gbps() -> float:
     return reps * x.numel() * 4 / (time.perf_counter() - t) / 1e9
 
 
+def _measured(command: str):
+    """A maker of the file's measured figures: value (4 significant digits), today's date, `command`, a note."""
+    date = _now()
+
+    def m(value: float, note: str = "") -> dict:
+        f = {"value": float(f"{value:.4g}"), "kind": "measured", "date": date, "command": command}
+        if note:
+            f["note"] = note
+        return f
+
+    return m
+
+
 def _reward_s(n: int) -> float:
     from rl.reward import score
 
@@ -135,13 +148,7 @@ def measure_cpu(recipe: str, command: str) -> dict:
     from rl.plan import model_shape
     from rl.plan_time import active_params
 
-    date = _now()
-
-    def m(value: float, note: str = "") -> dict:
-        f = {"value": float(f"{value:.4g}"), "kind": "measured", "date": date, "command": command}
-        if note:
-            f["note"] = note
-        return f
+    m = _measured(command)
 
     cfg = load_config(recipe, ["trainer.num_ranks=1"])
     shape = model_shape(cfg)
@@ -239,13 +246,7 @@ def measure_gpu(device: str, recipe: str, overrides: list[str], command: str) ->
     from rl.plan import model_shape
     from rl.plan_time import active_params, rate
 
-    date = _now()
-
-    def m(value: float, note: str = "") -> dict:
-        f = {"value": float(f"{value:.4g}"), "kind": "measured", "date": date, "command": command}
-        if note:
-            f["note"] = note
-        return f
+    m = _measured(command)
 
     cfg = load_config(recipe, overrides)
     shape = model_shape(cfg)
