@@ -11,7 +11,7 @@ scores it the same way (0 without an answer), so that every episode's reward is 
 
 from __future__ import annotations
 
-from rl.data.arith_tool import BAD_CALL, answer_of, tool_result
+from rl.data.arith_tool import ARGUMENT, BAD_CALL, TOOL_NAME, answer_of, tool_result
 from rollout.env import Environment, EnvStep
 
 
@@ -25,6 +25,23 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 class Calculator(Environment):
+    # The tool as chat templates with a tool format (Qwen3's) render it into every prompt; the tiny model's
+    # template has none, so its prompts are unchanged and it knows the tool from its warm-up.
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": TOOL_NAME,
+                "description": "The value of an integer expression of + - * and parentheses.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {ARGUMENT: {"type": "string", "description": "e.g. 41 - 15 + 84"}},
+                    "required": [ARGUMENT],
+                },
+            },
+        }
+    ]
+
     def __init__(self, row, **env_kwargs):
         super().__init__(row, **env_kwargs)
         self.answer = int(row["ground_truth"])

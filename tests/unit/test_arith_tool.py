@@ -174,7 +174,17 @@ def test_the_recipe_loads_builds_its_env_and_holds_the_longest_warmup_episode():
     assert ro.env.endswith("calculator_env.py:Calculator") and ro.max_turns >= 3
     rows = arith_tool.make_tool_rows(64, 0, split="train")
     assert env_problems(cfg, rows) == []
+    from rl.setup import env_tools
+
+    (tool,) = env_tools(cfg)  # what a chat template with a tool format would render
+    assert tool["function"]["name"] == arith_tool.TOOL_NAME
+    assert tool["function"]["parameters"]["required"] == [arith_tool.ARGUMENT]
     tok = train_tokenizer(seed=0)
+    # the tiny template has no tool format: the prompts the demo's figures were measured on are unchanged
+    msgs = rows[0]["prompt"]
+    assert tok.apply_chat_template(msgs, tools=[tool], add_generation_prompt=True, tokenize=False) == (
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    )
     malformed = encode(tok, rows[0], arith_tool.transcript(rows[0], random.Random(0), {"malformed": 1.0})[1])[
         0
     ]
