@@ -121,10 +121,12 @@ def _measured(command: str):
     """A maker of the file's measured figures: value (4 significant digits), today's date, `command`, a note."""
     date = _now()
 
-    def m(value: float, note: str = "") -> dict:
+    def m(value: float, note: str = "", active_params: float = 0.0) -> dict:
         f = {"value": float(f"{value:.4g}"), "kind": "measured", "date": date, "command": command}
         if note:
             f["note"] = note
+        if active_params:  # a FLOP rate: the size of the model it was measured on (rl.plan_time's note)
+            f["active_params"] = float(active_params)
         return f
 
     return m
@@ -153,7 +155,7 @@ def measure_cpu(recipe: str, command: str) -> dict:
     cfg = load_config(recipe, ["trainer.num_ranks=1"])
     shape = model_shape(cfg)
     N = active_params(shape)
-    out = {"matmul_tflops": m(_matmul_tflops(shape), "float32 matmuls of the expert shapes")}
+    out = {"matmul_tflops": m(_matmul_tflops(shape), "float32 matmuls of the expert shapes", N)}
     gbps = _gloo_gbps()
     out["intra_node_gbps"] = m(gbps, "gloo all-gather, 2 processes, 16 MiB a rank")
     out["inter_node_gbps"] = m(gbps, "one machine: the gloo all-gather")
@@ -167,7 +169,7 @@ def measure_cpu(recipe: str, command: str) -> dict:
     try:
         a, per_seq, _ = _decode_line(s, bench_rollout)
         out["decode_step_s"] = m(a, "a + b x batch through batch 64 and 512")
-        out["decode_tflops"] = m(2 * N / max(per_seq, 1e-9) / 1e12, "2 N_active / b of that line")
+        out["decode_tflops"] = m(2 * N / max(per_seq, 1e-9) / 1e12, "2 N_active / b of that line", N)
         out["prefill_tflops"] = dict(
             out["matmul_tflops"], note="the matmul rate: a prefill is batched matmuls"
         )
@@ -209,8 +211,10 @@ def _trainer_rates(s, N: float, m, bench_trainer, ranks: int) -> dict:
     per_rank = row["tokens"] / ranks
     k = 8 if s.cfg.trainer.activation_checkpointing else 6
     return {
-        f"train_tflops@{ranks}": m(k * N * per_rank / row["train_step_s"] / 1e12, f"{ranks} gloo rank(s)"),
-        f"logprob_tflops@{ranks}": m(2 * N * per_rank / row["log_probs_s"] / 1e12, f"{ranks} gloo rank(s)"),
+        f"train_tflops@{ranks}": m(k * N * per_rank / row["train_step_s"] / 1e12, f"{ranks} gloo rank(s)", N),
+        f"logprob_tflops@{ranks}": m(
+            2 * N * per_rank / row["log_probs_s"] / 1e12, f"{ranks} gloo rank(s)", N
+        ),
     }
 
 

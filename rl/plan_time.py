@@ -77,6 +77,7 @@ class Rate:
     value: float
     measured: bool
     source: str  # "command, date" (measured) or the source it is assumed from
+    active_params: float = 0.0  # of the model a FLOP rate was measured on (0: not recorded)
 
 
 def rate(kind: str, name: str, ranks: int = 0, rates: dict | None = None) -> Rate:
@@ -88,7 +89,7 @@ def rate(kind: str, name: str, ranks: int = 0, rates: dict | None = None) -> Rat
     f = table[key]
     measured = f["kind"] == "measured"
     src = f"{f['command']} ({f['date']})" if measured else f["source"]
-    return Rate(key, float(f["value"]), measured, src)
+    return Rate(key, float(f["value"]), measured, src, float(f.get("active_params", 0.0)))
 
 
 def optional_rate(kind: str, name: str, ranks: int = 0, rates: dict | None = None) -> Rate | None:
@@ -292,6 +293,13 @@ def estimate_step(
             est.phases["sleep and wake"] = switch.value + moved / (r("host_link_gbps").value * 1e9)
         else:
             est.notes.append("not timed: the colocated engines' sleep and wake around the trainer's phases")
+    for name, f in est.rates.items():
+        # a FLOP rate grows with the matmuls' sizes: one measured on a much smaller or larger model may not hold
+        if f.active_params and not 1 / 3 <= N / f.active_params <= 3:
+            est.notes.append(
+                f"{name} was measured on a model of {f.active_params / 1e9:.3g}B active parameters, this one has "
+                f"{N / 1e9:.3g}B: FLOP rates change with the matmuls' sizes"
+            )
     if ro.env:
         est.notes.append(
             f"rollout.env: the response is the whole episode (up to {ro.max_turns} turns and the environment's "

@@ -195,3 +195,13 @@ def test_merge_keeps_the_figures_not_measured(tmp_path):
         k: v for k, v in before.items() if k != "colocate_switch_s"
     }
     assert path.read_text().startswith("# Rates")  # the header comment kept
+
+
+def test_a_flop_rate_measured_on_another_model_size_is_noted():
+    """The plan says when a FLOP rate comes from a model of another size (the rates file records it):
+    Muse's 44B active parameters on rates from a 0.69B bench model, but not the demo on its own rates."""
+    muse = "\n".join(_est(MUSE).notes)
+    assert "train_tflops was measured on a model of 0.69B active parameters, this one has 44" in muse
+    demo = _est("recipes/demo_cpu.yaml")
+    assert not any("was measured on a model of" in n for n in demo.notes)
+    assert demo.rates["train_tflops@2"].active_params > 0
