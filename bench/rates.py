@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import sys
 import time
@@ -233,12 +232,14 @@ def _cuda_copy_gbps() -> float:
 
 
 def _median_s(fn, reps: int = 3) -> float:
+    from bench.common import median
+
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return median(times)
 
 
 def measure_gpu(device: str, recipe: str, overrides: list[str], command: str) -> dict:
@@ -291,6 +292,8 @@ def _trainer_fixed_costs(s, S: int, N: float, L: int, given, m, bench_trainer) -
     """The trainer's per-call and per-layer-and-micro-batch costs: bench.trainer at S and S / 2 sequences of
     84 tokens (69 of prompt: the demo's arithmetic), the line through both in micro-batches, less the FLOPs
     at the file's train_tflops and logprob_tflops."""
+    from rl.plan_time import micro_batch_count
+
     tr = s.cfg.trainer
     k = 8 if tr.activation_checkpointing else 6
     seq, measured = 84, {}
@@ -298,7 +301,7 @@ def _trainer_fixed_costs(s, S: int, N: float, L: int, given, m, bench_trainer) -
         args = Namespace(samples=n, seq_len=seq, prompt_len=69, warmup=1, steps=3, peak_tflops=0.0)
         row = bench_trainer.measure(s, args)[0]
         per_rank = n * seq / tr.num_ranks
-        micro = max(1, math.ceil(per_rank / (tr.micro_batch_tokens or tr.micro_batch_size * seq)))
+        micro = micro_batch_count(tr, per_rank, seq)  # as the plan counts them
         measured[n] = (
             micro,
             row["train_step_s"] - k * N * per_rank / (given("train_tflops") * 1e12),

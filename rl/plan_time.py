@@ -153,6 +153,13 @@ def logprob_pass_runs(cfg) -> bool:
     return not fused or cfg.rollout.max_staleness > 0
 
 
+def micro_batch_count(tr, tokens_per_rank: float, seq_len: float) -> int:
+    """Micro-batches a rank runs a pass over `tokens_per_rank` tokens in sequences of `seq_len`
+    (trainer.micro_batch_tokens, else trainer.micro_batch_size sequences)."""
+    micro = tr.micro_batch_tokens or tr.micro_batch_size * seq_len
+    return max(1, math.ceil(tokens_per_rank / micro))
+
+
 def trainer_nodes(cfg, ranks: int) -> int:
     """Nodes `ranks` consecutive trainer ranks span (rank r on node r // gpus_per_node, rl/placement.py)."""
     res = cfg.resources
@@ -214,7 +221,7 @@ def estimate_step(
     tokens = S * (Lp + R)
     per_rank = tokens / ranks
     micro = tr.micro_batch_tokens or tr.micro_batch_size * (Lp + R)
-    micro_batches = max(1, math.ceil(per_rank / micro))
+    micro_batches = micro_batch_count(tr, per_rank, Lp + R)
     n_tr = ranks if not gpus else 0  # CPU ranks share the cores: the rate measured at that rank count
     logprob = logprob_pass_runs(cfg)
 

@@ -202,7 +202,7 @@ EPISODE_COUNTS = (
 # Turn t of an episode samples with seed + t * TURN_SEED_STRIDE: seeds of different turns never collide
 # with another request's (a batch's seeds span far less than 2**32).
 TURN_SEED_STRIDE = 1 << 32
-STEP_POLL_S = 0.05  # how often the wait for environment steps looks at steps not yet begun
+STEP_POLL_S = 0.05  # how often the wait for environment steps looks for ones past env_timeout_s
 
 
 def run_episodes(
@@ -295,18 +295,11 @@ def _wait_steps(steps: list[tuple[Future, list[float]]], timeout_s: float) -> se
     began = {f: s for f, s in steps}
     timed_out: set[Future] = set()
     while pending:
+        _, pending = wait(pending, timeout=STEP_POLL_S, return_when=FIRST_COMPLETED)
         now = time.perf_counter()
         late = {f for f in pending if began[f] and now - began[f][0] > timeout_s}
         timed_out |= late
         pending -= late
-        if not pending:
-            break
-        left = [began[f][0] + timeout_s - now for f in pending if began[f]]
-        # wake at the earliest running step's deadline; poll while some steps still wait to begin
-        until = min(left, default=STEP_POLL_S)
-        if len(left) < len(pending):
-            until = min(until, STEP_POLL_S)
-        _, pending = wait(pending, timeout=max(until, 0.001), return_when=FIRST_COMPLETED)
     return timed_out
 
 
