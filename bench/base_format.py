@@ -17,7 +17,9 @@ Per model (bench.models' Muse-shaped and Qwen3-MoE-shaped models; `--tiny` their
                      N the active parameters (bench.models.active_params),
        k3_kl         the driver's rollout_corr/k3_kl of the trainer's log-probs of the rollout's samples
                      (teacher-forced, the rollout's routing replayed) against the sampled log-probs.
-Rows go to DIR/base_format.json (one per model and format) as they finish.
+Rows go to DIR/base_format.json (one per model and format) as they finish. `--dequant torch` dequantizes with
+compressed-tensors' elementwise ops instead of the Triton kernel (the same bits); `--profile` adds one step
+under torch.profiler, its ops by device time in DIR/profile_MODEL_FORMAT.txt.
 """
 
 from __future__ import annotations
@@ -130,10 +132,11 @@ def resident_param_bytes(model) -> int:
 def measure(model: dict, fmt: str, args, kl_samples: list) -> dict:
     """One base format's row, in this (fresh) process."""
     from rl.driver import mismatch_metrics
-    from trainer import sharded_load
+    from trainer import nvfp4_tensor, sharded_load
     from trainer.rendezvous import free_port
     from trainer.worker import TrainerWorker
 
+    nvfp4_tensor.use_implementation(args.dequant)
     rate = matmul_tflops(8192 if torch.cuda.is_available() else 512)
     t = time.perf_counter()
     worker = TrainerWorker(0, 1, "127.0.0.1", free_port(), trainer_spec(model, fmt, args))
@@ -158,10 +161,13 @@ def measure(model: dict, fmt: str, args, kl_samples: list) -> dict:
     tokens = args.train_samples * args.train_seq_len
     active = model["params"]["active"]
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    if args.profile:
+        profile_step(worker, batch, advantages, Path(args.out) / f"profile_{model['spec']['name']}_{fmt}.txt")
     worker.shutdown()
     return {
         "model": model["spec"]["name"],
         "base_format": fmt,
+        "dequant": args.dequant if fmt == "nvfp4" else None,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "compute_dtype": worker.spec.dtype,
         "load_s": load_s,
@@ -180,6 +186,19 @@ def measure(model: dict, fmt: str, args, kl_samples: list) -> dict:
         "r3_replayed_fraction": metrics["r3/replayed_fraction"],
         "logits_chunk_tokens": args.logits_chunk_tokens,
     }
+
+
+def profile_step(worker, batch, advantages, path: Path, rows: int = 40) -> None:
+    """One more train step under torch.profiler: the kernels and ops that took the device's time, most
+    first (self time, so a parent op does not count its children again)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        worker.train_step(batch, advantages)
+        _sync()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70) + "\n")
 
 
 def rollout_samples(model: dict, args, stage_root: Path) -> tuple[list, str]:
@@ -243,6 +262,17 @@ def main(argv=None) -> int:
     p.add_argument("--kl-max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM gpu_memory_utilization")
+    p.add_argument(
+        "--dequant",
+        default="triton",
+        choices=("triton", "torch"),
+        help="NVFP4 dequantization: the Triton kernel (where it applies) or compressed-tensors' ops",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more train step under torch.profiler: OUT/profile_MODEL_FORMAT.txt, ops by device time",
+    )
     args = p.parse_args(argv)
 
     out = Path(args.out)

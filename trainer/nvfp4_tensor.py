@@ -30,18 +30,50 @@ DECOMPRESSED_DTYPE = torch.bfloat16
 aten = torch.ops.aten
 
 
+# "triton": the fused kernel where it applies (trainer.nvfp4_kernel), "torch": compressed-tensors' elementwise
+# ops everywhere. Both give the same bits; bench.dequant and bench.base_format compare their speed.
+_IMPLEMENTATION = "triton"
+
+
+def use_implementation(name: str) -> None:
+    global _IMPLEMENTATION
+    if name not in ("triton", "torch"):
+        raise ValueError(f"NVFP4 dequantization: 'triton' or 'torch', got {name!r}")
+    _IMPLEMENTATION = name
+
+
 def dequantize(
-    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """packed uint8 [..., C / 2], scale fp8 [..., C / 16], global_scale fp32 ([1], or one per leading
-    index of a 3-D bank) -> the weight [..., C] in `dtype` (BF16 first: the dequantized checkpoint's bits)."""
+    index of a 3-D bank) -> the weight [..., C] in `dtype` (BF16 first: the dequantized checkpoint's bits),
+    written into `out` where given."""
+    from trainer import nvfp4_kernel
+
+    g = global_scale.reshape(-1, *([1] * (scale.dim() - 1))) if packed.dim() == 3 else global_scale
+    effective = scale.to(DECOMPRESSED_DTYPE) / g  # BF16 / FP32 -> FP32, as compressed-tensors divides
+    shape = (*packed.shape[:-1], packed.shape[-1] * 2)
+    if _IMPLEMENTATION == "triton" and nvfp4_kernel.available(packed, dtype):
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=packed.device)
+        return nvfp4_kernel.dequantize_into(packed, effective, out)
+    weight = reference_dequantize(packed, effective, dtype)
+    if out is None:
+        return weight
+    return out.copy_(weight.view(out.shape))
+
+
+def reference_dequantize(packed: torch.Tensor, effective: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """compressed-tensors' unpacking, then the FP32 scale multiply rounded to BF16, then `dtype`."""
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 
     rows = packed.reshape(-1, packed.shape[-1])
     codes = unpack_fp4_from_uint8(rows, rows.shape[0], rows.shape[1] * 2, dtype=DECOMPRESSED_DTYPE)
     codes = codes.reshape(*packed.shape[:-1], -1, GROUP_SIZE)  # [..., groups, 16]
-    g = global_scale.reshape(-1, *([1] * (scale.dim() - 1))) if packed.dim() == 3 else global_scale
-    effective = scale.to(DECOMPRESSED_DTYPE) / g  # BF16 / FP32 -> FP32, as compressed-tensors divides
     weight = (codes.to(effective.dtype) * effective.unsqueeze(-1)).flatten(-2).to(DECOMPRESSED_DTYPE)
     return weight.to(dtype)
 
@@ -130,13 +162,13 @@ class NVFP4Weight(torch.Tensor):
             global_scale = global_scale.reshape(rows, *self.global_scale.shape[1:])
         else:
             global_scale = metadata
-        weight = dequantize(packed, scale, global_scale, param_dtype)
         if out is not None:
             # A refill of the same parameter (backward's gather): keep its version, as FSDP2 does for its
             # own copy-out, or autograd reads the refill as an in-place change of a saved tensor.
             with torch.autograd._unsafe_preserve_version_counter(out):
-                out.copy_(weight.view(out.shape))
+                dequantize(packed, scale, global_scale, param_dtype, out=out)
             return None
+        weight = dequantize(packed, scale, global_scale, param_dtype)
         return weight, (weight,)
 
     # -- the ops FSDP2's sharding and `Module.to_empty` use ------------------------------------------------
