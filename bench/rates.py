@@ -31,7 +31,8 @@ On a GPU (`--device h100-80gb` or `h200`), the costs that do not scale with FLOP
                     sequences (S the recipe's data.train_batch_size x rollout.n): the line through both in
                     micro-batches, less the FLOPs at the file's rates; its slope over the decoder layers;
   step_overhead_s   the reward of S responses in this process;
-  hbm_gbps          a 1 GiB device-to-device copy, bytes read and written.
+  hbm_gbps          a 1 GiB device-to-device copy, bytes read and written;
+  dequant_gbps      the trainer's NVFP4 dequantization of a 2^30-weight expert bank, BF16 bytes written.
 Each is written into the device's table beside the figures it does not measure.
 
     python -m bench.rates --device h100-80gb --recipe gpu_demo
@@ -231,6 +232,20 @@ def _cuda_copy_gbps() -> float:
     return reps * 2 * x.numel() * 4 / (time.perf_counter() - t) / 1e9
 
 
+def _cuda_dequant_gbps() -> float:
+    """The trainer's NVFP4 dequantization (its Triton kernel on a GPU), as the plan counts it: BF16 bytes
+    out a second, median of 10 (bench.dequant times it against compressed-tensors' path)."""
+    import torch
+
+    from bench.dequant import layer_shapes, random_packed, time_one
+    from trainer.nvfp4_tensor import dequantize
+
+    _, rows, cols = layer_shapes("qwen3_30b_a3b")["gate_up_proj"]
+    packed, scale, g = random_packed((2**30 // (rows * cols), rows, cols), "cuda")
+    ms, _, out = time_one(lambda: dequantize(packed, scale, g, torch.bfloat16), 10)
+    return out.numel() * 2 / (ms / 1e3) / 1e9
+
+
 def _median_s(fn, reps: int = 3) -> float:
     from bench.common import median
 
@@ -259,6 +274,11 @@ def measure_gpu(device: str, recipe: str, overrides: list[str], command: str) ->
     given = lambda name: rate(device, name).value  # noqa: E731  (the file's figure)
     S = cfg.data.train_batch_size * cfg.rollout.n
     out = {"hbm_gbps": m(_cuda_copy_gbps(), "a 1 GiB device-to-device copy, bytes read and written")}
+    out["dequant_gbps"] = m(
+        _cuda_dequant_gbps(),
+        "trainer.nvfp4_tensor.dequantize of a 2^30-weight expert bank (Qwen3-30B-A3B's gate_up_proj rows), "
+        "BF16 bytes written",
+    )
     out["step_overhead_s"] = m(_reward_s(S), f"math_dapo on {S} responses")
     s = start(cfg, rollout=True, trainer=True)
     try:
