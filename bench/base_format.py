@@ -197,7 +197,7 @@ def profile_step(worker, batch, advantages, path: Path, rows: int = 40) -> None:
     with profile(activities=activities) as prof:
         worker.train_step(batch, advantages)
         _sync()
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     path.write_text(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70) + "\n")
 
 
