@@ -91,13 +91,14 @@ def time_one(fn, repeats: int) -> tuple[float, float, object]:
     return median(times) * 1e3, peak, out
 
 
-def measure(preset: str, args) -> list[dict]:
+def measure(preset: str, args, env: dict) -> list[dict]:
+    """Every weight of the preset's layer; each one's rows printed as they come (`env`: bench.common's)."""
     import torch
 
     rows = []
     for weight, shape in layer_shapes(preset).items():
         rows += measure_weight(preset, weight, shape, args)
-        print(markdown({"env": env_info("dequant", []), "rows": rows[-2:]}, COLUMNS), flush=True)
+        print(markdown({"env": env, "rows": rows[-2:]}, COLUMNS), flush=True)
         torch.cuda.empty_cache()
     return rows
 
@@ -162,10 +163,11 @@ def main(argv=None) -> int:
         raise SystemExit(
             "bench.dequant: needs a CUDA GPU (the kernel is Triton's; on CPU the reference path runs)"
         )
-    rows = [r for preset in args.models.split(",") if preset for r in measure(preset, args)]
+    env = env_info("dequant", argv if argv is not None else sys.argv[1:])
+    rows = [r for preset in args.models.split(",") if preset for r in measure(preset, args, env)]
     doc = {
         "bench": "dequant",
-        "env": env_info("dequant", argv if argv is not None else sys.argv[1:]),
+        "env": env,
         "args": {k: v for k, v in vars(args).items() if k != "out"},
         "rows": rows,
     }

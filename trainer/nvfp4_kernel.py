@@ -16,6 +16,7 @@ truncates a float cast), as the reference's `(codes.float() * effective).to(bflo
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -79,8 +80,6 @@ def _code_table(device: torch.device) -> torch.Tensor:
 def available(packed: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the kernel takes this dequantization: a CUDA tensor (or Triton's interpreter, which runs
     on CPU tensors), BF16 or FP32 out, rows within the grid's limit."""
-    import os
-
     if triton is None or dtype not in (torch.bfloat16, torch.float32):
         return False
     if packed.shape[0] > _MAX_ROWS:

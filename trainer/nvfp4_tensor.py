@@ -56,9 +56,9 @@ def dequantize(
 
     g = global_scale.reshape(-1, *([1] * (scale.dim() - 1))) if packed.dim() == 3 else global_scale
     effective = scale.to(DECOMPRESSED_DTYPE) / g  # BF16 / FP32 -> FP32, as compressed-tensors divides
-    shape = (*packed.shape[:-1], packed.shape[-1] * 2)
     if _IMPLEMENTATION == "triton" and nvfp4_kernel.available(packed, dtype):
         if out is None:
+            shape = (*packed.shape[:-1], packed.shape[-1] * 2)
             out = torch.empty(shape, dtype=dtype, device=packed.device)
         return nvfp4_kernel.dequantize_into(packed, effective, out)
     weight = reference_dequantize(packed, effective, dtype)

@@ -16,17 +16,23 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from trainer import nvfp4_kernel
-    from trainer.nvfp4_tensor import DECOMPRESSED_DTYPE, NVFP4Weight, dequantize, reference_dequantize
+    from trainer import nvfp4_kernel, nvfp4_tensor
+    from trainer.nvfp4_tensor import NVFP4Weight, dequantize
 
     def bits(t):
         return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
+    def reference(packed, scale, g, dtype):
+        nvfp4_tensor.use_implementation("torch")
+        try:
+            return dequantize(packed, scale, g, dtype)
+        finally:
+            nvfp4_tensor.use_implementation("triton")
+
     def check(packed, scale, g, dtype, label):
         assert nvfp4_kernel.available(packed, dtype), label
         got = dequantize(packed, scale, g, dtype)
-        gs = g.reshape(-1, 1, 1) if packed.dim() == 3 else g
-        want = reference_dequantize(packed, scale.to(DECOMPRESSED_DTYPE) / gs, dtype)
+        want = reference(packed, scale, g, dtype)
         assert got.dtype == want.dtype == dtype and got.shape == want.shape, label
         assert torch.equal(bits(got), bits(want)), (label, int((bits(got) != bits(want)).sum()))
 
@@ -53,7 +59,7 @@ SCRIPT = textwrap.dedent(
     pre = [s.fsdp_pre_all_gather(None, w.shape, None, None, None) for s in shards]
     inputs = [torch.cat(parts) for parts in zip(*[p[0] for p in pre])]
     weight, _ = shards[0].fsdp_post_all_gather(inputs, pre[0][1], torch.bfloat16)
-    want = reference_dequantize(packed, scale.to(DECOMPRESSED_DTYPE) / g.reshape(-1, 1, 1), torch.bfloat16)
+    want = reference(packed, scale, g, torch.bfloat16)
     assert torch.equal(bits(weight), bits(want))
     out = torch.zeros_like(weight)
     assert shards[0].fsdp_post_all_gather(inputs, pre[0][1], torch.bfloat16, out=out) is None
