@@ -398,6 +398,22 @@ def record_run(run_dir: Path, recipe: str, overrides: list[str], command: str, f
     }
 
 
+# The overrides of a recorded run unless its .overrides file sets the same keys: steps without the
+# evaluation's and checkpoints' time, which a step's perf/step_s does not hold and the plan does not time.
+RUN_DEFAULTS = ("trainer.total_steps=6", "eval.every=0", "eval.at_start=false", "trainer.checkpoint_every=0")
+
+
+def run_overrides(extra: list[str]) -> list[str]:
+    """RUN_DEFAULTS with `extra`'s value in place of a default of the same key, then `extra`'s other keys."""
+    merged = dict(o.split("=", 1) for o in RUN_DEFAULTS)
+    for o in extra:
+        key, sep, value = o.partition("=")
+        if not sep:
+            raise SystemExit(f"bench.rates --record: expected key=value in the .overrides file, got {o!r}")
+        merged[key] = value
+    return [f"{k}={v}" for k, v in merged.items()]
+
+
 def write_runs(runs: list[dict], path: Path = RATES_FILE) -> None:
     """Replace the file's runs of the same names with `runs`."""
     import yaml
@@ -423,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         metavar="RUN_DIR",
         help="instead of measuring: record these runs' step times (`runs`), each made by `sparkrl train RECIPE "
-        "trainer.total_steps=6 eval.every=0 eval.at_start=false trainer.checkpoint_every=0 run.name=NAME` plus "
-        "the overrides in its runs/NAME.overrides file, if any",
+        "trainer.total_steps=6 eval.every=0 eval.at_start=false trainer.checkpoint_every=0 run.name=NAME` with "
+        "the overrides of its runs/NAME.overrides file, if any, in place of those of the same keys",
     )
     p.add_argument(
         "--first-step",
@@ -442,13 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (d.parent / f"{d.name}.overrides").exists()
                 else []
             )
-            overrides = [
-                "trainer.total_steps=6",
-                "eval.every=0",
-                "eval.at_start=false",
-                "trainer.checkpoint_every=0",
-                *extra,
-            ]
+            overrides = run_overrides(extra)
             recipe = f"recipes/{args.recipe}.yaml" if "/" not in args.recipe else args.recipe
             cmd = f"sparkrl train {recipe} {' '.join(overrides)} run.name={d.name}"
             runs.append(record_run(d, recipe, overrides, cmd, first=args.first_step))

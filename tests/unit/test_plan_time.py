@@ -205,3 +205,52 @@ def test_a_flop_rate_measured_on_another_model_size_is_noted():
     demo = _est("recipes/demo_cpu.yaml")
     assert not any("was measured on a model of" in n for n in demo.notes)
     assert demo.rates["train_tflops@2"].active_params > 0
+
+
+def test_record_takes_a_runs_own_overrides_in_place_of_the_defaults(tmp_path):
+    """`bench.rates --record`: a run made with the evaluation on (its .overrides file says so) is recorded
+    with those values, not the defaults' eval.every=0, and its step time is the median from --first-step
+    (rows written as the driver writes them: the evaluation's metrics merged into a step's row)."""
+    import json
+
+    from bench import rates as bench_rates
+
+    runs = tmp_path / "runs"
+    run = runs / "gpu_demo_h200"
+    run.mkdir(parents=True)
+    rows = [{"step": 0, "val-core/arith/acc/mean@8": 0.4}]
+    for step, step_s in enumerate([9.0, 8.0, 1.7, 1.9, 1.8, 5.0], start=1):
+        rows.append(
+            {
+                "step": step,
+                "perf/step_s": step_s,
+                "perf/rollout_s": step_s / 2,
+                "perf/logprob_s": 0.0,
+                "perf/train_s": step_s / 3,
+                "perf/sync_s": 0.1,
+                "perf/train_tokens": 512 * 84,
+                "batch/samples": 512,
+                "response_length/mean": 15.0,
+            }
+        )
+    run.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs.joinpath("gpu_demo_h200.overrides").write_text(
+        "trainer.total_steps=20 eval.every=5 resources.device=h200\n"
+    )
+    rates = tmp_path / "rates.yaml"
+    rates.write_text(plan_time.RATES_FILE.read_text())
+    args = ["--recipe", "gpu_demo", "--record", str(run), "--first-step", "3", "--file", str(rates)]
+    assert bench_rates.main(args) == 0
+    recorded = plan_time.load_rates.__wrapped__(str(rates))["runs"][-1]
+    assert recorded["overrides"] == [
+        "trainer.total_steps=20",
+        "eval.every=5",
+        "eval.at_start=false",
+        "trainer.checkpoint_every=0",
+        "resources.device=h200",
+    ]
+    assert recorded["device"] == "h200" and recorded["steps"] == [3, 4, 5, 6]
+    assert recorded["step_s"] == pytest.approx(1.85) and recorded["prompt_len"] == pytest.approx(69.0)
+    runs.joinpath("gpu_demo_h200.overrides").write_text("resources.device\n")
+    with pytest.raises(SystemExit, match="expected key=value"):
+        bench_rates.main(args)
