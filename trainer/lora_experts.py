@@ -15,7 +15,10 @@ tests/unit/test_trainer_lora_experts.py holds it to PEFT's own forward and gradi
 
 Used for experts that look like transformers' fused SwiGLU experts (`gate_up_proj` [E, 2I, H], `down_proj`
 [E, H, I], `_apply_gate`, no bias, not transposed: Qwen3-MoE, Muse Spark) and whose shapes the grouped
-kernel takes; anything else keeps PEFT's forward.
+kernel takes; anything else keeps PEFT's forward, run eagerly inside a compiled layer: PEFT registers its
+parametrisation as a new class every forward, so dynamo would recompile it at each call and, under
+activation checkpointing, recompute with a different graph than the forward saved for (a CheckpointError
+at the first backward).
 """
 
 from __future__ import annotations
@@ -149,6 +152,10 @@ def compile_experts(enabled: bool = True) -> None:
     )
 
 
+# PEFT's own forward of an expert chain, eager under torch.compile (the module docstring says why)
+_peft_forward = torch._dynamo.disable(ParamWrapper.forward)
+
+
 class GroupedLoraExperts(ParamWrapper):
     """The outermost of PEFT's nested ParamWrappers around a fused experts module, with a grouped forward.
     Installed by `use_grouped_expert_lora` (class swap: parameters, names and PEFT's methods unchanged)."""
@@ -169,25 +176,32 @@ class GroupedLoraExperts(ParamWrapper):
             or traced_other
             or off_gpu
         ):
-            return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+            return _peft_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         factors = {w.parameter_name: _factors(w, adapters[0], dtype) for w in chain}
         return _forward(experts, factors, hidden_states, top_k_index, top_k_weights)
+
+
+class EagerLoraExperts(ParamWrapper):
+    """The outermost ParamWrapper of a chain the grouped kernel cannot take: PEFT's forward, never traced."""
+
+    @torch._dynamo.disable
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
 
 
 def use_grouped_expert_lora(model: nn.Module) -> int:
     """Swap every suitable expert ParamWrapper chain of a PEFT model to GroupedLoraExperts; returns how many.
     Chains that target anything but gate_up_proj / down_proj, or whose shapes do not fit the grouped
-    kernel, keep PEFT's forward."""
+    kernel, keep PEFT's forward as EagerLoraExperts."""
     inner = {id(m.base_layer) for m in model.modules() if isinstance(m, ParamWrapper)}
     count = 0
     for module in model.modules():
         if type(module) is not ParamWrapper or id(module) in inner:
             continue  # inner wrappers belong to their outer one's chain
         chain, experts = wrapper_chain(module)
-        if any(w.parameter_name not in ADAPTED for w in chain):
-            continue
-        if not all(_fits_grouped_mm(experts, r) for w in chain for r in w.r.values()):
-            continue
-        module.__class__ = GroupedLoraExperts
-        count += 1
+        fits = all(w.parameter_name in ADAPTED for w in chain) and all(
+            _fits_grouped_mm(experts, r) for w in chain for r in w.r.values()
+        )
+        module.__class__ = GroupedLoraExperts if fits else EagerLoraExperts
+        count += fits
     return count
