@@ -6,7 +6,7 @@ replaying given routing on some samples. The worker compiles on CUDA only; here 
 called with compile on and the backend of tests/integration/test_trainer_compile.py (inductor's graphs and
 partitioner run eagerly: the CPU trainer never runs inductor's generated code). The dequantization happens
 in FSDP2's post-all-gather, outside the compiled graphs, so the graphs see the twin's weights bit for bit:
-log-probs, loss and every LoRA gradient equal (torch.equal), and again at longer sequences (dynamic shapes)."""
+the update's log-probs, loss and every LoRA gradient equal (torch.equal)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ def _rank_main(rank, world, port, nvfp4, cache, out_dir):
 
     import trainer.worker as worker_mod
     from trainer.lora_experts import allow_on_cpu
-    from trainer.testing import random_samples
 
     os.environ["SPARKRL_CACHE"] = cache
     allow_on_cpu(True)  # the compiled GPU path runs expert LoRA as grouped matmuls
@@ -50,15 +49,12 @@ def _rank_main(rank, world, port, nvfp4, cache, out_dir):
         w = worker_mod.TrainerWorker(rank, world, "127.0.0.1", port, spec)
         cfg = w.hf_model.config
         samples = _samples(cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_experts)
-        longer = random_samples(3, seed=5, prompt_len=(8, 12), response_len=(12, 18))  # new shapes
-        lp, metrics = w.log_probs(samples)
-        step = w.train_step(samples, [1.0, -0.5, 0.3, 0.7, -1.2])
+        # the update's own forward scores the batch (on-policy): its log-probs come back with the step
+        step, logp = w.train_step(samples, [1.0, -0.5, 0.3, 0.7, -1.2], return_logprobs=True)
         results[fmt] = {
-            "logp": lp,
-            "metrics": metrics,
+            "logp": logp,
             "step": step,
             "grads": w.gradients(),
-            "longer": w.log_probs(longer)[0],
             "graphs": counters["stats"]["unique_graphs"],
         }
         del w
@@ -81,11 +77,10 @@ def results(tmp_path_factory):
 def test_compiled_layers_over_the_packed_base_are_bitwise_the_twins(results):
     a, b = results["nvfp4"], results["bf16"]
     assert a["graphs"] > 0  # the layers went through torch.compile
-    for key in ("logp", "longer"):
-        assert len(a[key]) == len(b[key]) > 0
-        for x, y in zip(a[key], b[key]):
-            assert x.dtype == y.dtype and x.shape == y.shape and (x == y).all(), key
-    assert a["metrics"]["r3/replayed_fraction"] == b["metrics"]["r3/replayed_fraction"] > 0
+    assert len(a["logp"]) == len(b["logp"]) > 0
+    for x, y in zip(a["logp"], b["logp"]):
+        assert x.dtype == y.dtype and x.shape == y.shape and (x == y).all()
+    assert a["step"]["r3/replayed_fraction"] == b["step"]["r3/replayed_fraction"] > 0
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert a["step"][k] == b["step"][k], k
     assert set(a["grads"]) == set(b["grads"]) and any("experts" in k for k in a["grads"])
