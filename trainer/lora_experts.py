@@ -184,9 +184,7 @@ class GroupedLoraExperts(ParamWrapper):
 class EagerLoraExperts(ParamWrapper):
     """The outermost ParamWrapper of a chain the grouped kernel cannot take: PEFT's forward, never traced."""
 
-    @torch._dynamo.disable
-    def forward(self, *args, **kwargs):
-        return super().forward(*args, **kwargs)
+    forward = _peft_forward
 
 
 def use_grouped_expert_lora(model: nn.Module) -> int:
