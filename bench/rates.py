@@ -403,15 +403,18 @@ def record_run(run_dir: Path, recipe: str, overrides: list[str], command: str, f
 RUN_DEFAULTS = ("trainer.total_steps=6", "eval.every=0", "eval.at_start=false", "trainer.checkpoint_every=0")
 
 
-def run_overrides(extra: list[str]) -> list[str]:
-    """RUN_DEFAULTS with `extra`'s value in place of a default of the same key, then `extra`'s other keys."""
-    merged = dict(o.split("=", 1) for o in RUN_DEFAULTS)
+def run_overrides(extra: list[str], where: str) -> list[str]:
+    """RUN_DEFAULTS with `extra`'s override in place of a default of the same key, then `extra`'s other
+    keys; each as written (an override as `sparkrl train` reads it: rl.config.parse_override)."""
+    from rl.config import ConfigError, parse_override
+
+    merged = {parse_override(o)[0]: o for o in RUN_DEFAULTS}
     for o in extra:
-        key, sep, value = o.partition("=")
-        if not sep:
-            raise SystemExit(f"bench.rates --record: expected key=value in the .overrides file, got {o!r}")
-        merged[key] = value
-    return [f"{k}={v}" for k, v in merged.items()]
+        try:
+            merged[parse_override(o)[0]] = o
+        except ConfigError as e:
+            raise SystemExit(f"bench.rates --record: {where}: {e}") from None
+    return list(merged.values())
 
 
 def write_runs(runs: list[dict], path: Path = RATES_FILE) -> None:
@@ -453,12 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         runs = []
         for d in map(Path, args.record):
-            extra = (
-                (d.parent / f"{d.name}.overrides").read_text().split()
-                if (d.parent / f"{d.name}.overrides").exists()
-                else []
-            )
-            overrides = run_overrides(extra)
+            file = d.parent / f"{d.name}.overrides"
+            overrides = run_overrides(file.read_text().split() if file.exists() else [], str(file))
             recipe = f"recipes/{args.recipe}.yaml" if "/" not in args.recipe else args.recipe
             cmd = f"sparkrl train {recipe} {' '.join(overrides)} run.name={d.name}"
             runs.append(record_run(d, recipe, overrides, cmd, first=args.first_step))
