@@ -243,7 +243,7 @@ def rollout_samples(model: dict, args, stage_root: Path) -> tuple[list, str]:
 def main(argv=None) -> int:
     from bench.models import NAMES, build, spec_for
 
-    p = argparse.ArgumentParser(prog="python -m bench.base_format", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.base_format", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for base_format.json (created)")
     p.add_argument("--root", default="", help="where the bench models are built (default: OUT/models)")
     p.add_argument("--models", default=",".join(NAMES), help=f"comma-separated, of {', '.join(NAMES)}")

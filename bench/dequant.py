@@ -147,7 +147,7 @@ def measure_weight(preset: str, weight: str, shape: tuple[int, ...], args) -> li
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.dequant", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.dequant", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--models", default="qwen3_30b_a3b,muse_full_width", help="make-random presets, comma-separated"
     )

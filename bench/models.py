@@ -388,7 +388,7 @@ def heldout(model, tokenizer, spec: ModelSpec, device: str, n: int = 64) -> tupl
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.models", description=__doc__.split("\n\n")[0])
     p.add_argument("--root", default="/tmp/sparkrl_bench/models")
     p.add_argument("--models", default=",".join(NAMES))
     p.add_argument("--tiny", action="store_true")

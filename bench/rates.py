@@ -1,5 +1,5 @@
 """The rates `sparkrl plan` times a step with, measured on this machine and written into rl/rates.yaml under
-`--device` (each figure with its date and this command):
+`--device`, each figure with its date and the command that measured it.
 
     python -m bench.rates --device cpu-2core-dev [--recipe demo_cpu]
 
@@ -141,7 +141,7 @@ def _reward_s(n: int) -> float:
     return time.perf_counter() - t
 
 
-def measure_cpu(recipe: str, command: str) -> dict:
+def measure_cpu(recipe: str, overrides: list[str], command: str) -> dict:
     from bench import rollout as bench_rollout
     from bench import sync as bench_sync
     from bench import trainer as bench_trainer
@@ -152,7 +152,7 @@ def measure_cpu(recipe: str, command: str) -> dict:
 
     m = _measured(command)
 
-    cfg = load_config(recipe, ["trainer.num_ranks=1"])
+    cfg = load_config(recipe, [*overrides, "trainer.num_ranks=1"])
     shape = model_shape(cfg)
     N = active_params(shape)
     out = {"matmul_tflops": m(_matmul_tflops(shape), "float32 matmuls of the expert shapes", N)}
@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         merge(args.device, figures, Path(args.file))
     else:
         before = os.getloadavg()[0]
-        figures = measure_cpu(args.recipe, command.strip())
+        figures = measure_cpu(args.recipe, args.overrides, command.strip())
         write(args.device, figures, Path(args.file), [before, os.getloadavg()[0]])
     for k, v in figures.items():
         print(f"{k:<20} {v['value']:g}  {v.get('note', '')}")

@@ -56,7 +56,7 @@ RUNTIME_BYTES = 1 * GiB  # CUDA context, allocator slack, NCCL buffers: per proc
 CUDA_GRAPH_BYTES = 1 * GiB
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 LONG_CONTEXT = 1_048_576  # shown beside the recipe's context for models with sliding-window layers
-DEFAULT_LOGITS_CHUNK = 4096  # trainer.logits_chunk_tokens' default, what the hint suggests
+DEFAULT_LOGITS_CHUNK = 4096  # the chunk the hint suggests (the large recipes' trainer.logits_chunk_tokens)
 QUANTIZED_GROUPS = ("attention", "experts", "latent", "shared_experts", "dense_mlp")  # Linear layers
 
 

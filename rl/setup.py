@@ -282,6 +282,9 @@ def trainer_spec(cfg: SparkConfig, model_path: str):
         dtype=cfg.model.dtype,
         base_format=base_format(t.base_format, model_path),
         max_seq_len=cfg.rollout.max_prompt_len + cfg.rollout.max_response_len,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        trust_remote_code=cfg.model.trust_remote_code,
         # A batch of data.train_batch_size prompts makes this many optimizer steps (dynamic sampling may
         # keep more or fewer groups; the schedule assumes the full batch).
         optimizer_steps=t.total_steps

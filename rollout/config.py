@@ -20,8 +20,18 @@ class RolloutConfig:
     """The vLLM rollout workers."""
 
     n: int = _f(8, "Samples per prompt (the GRPO group size).", ge=1)
-    temperature: float = _f(1.0, "Sampling temperature.", gt=0)
-    top_p: float = _f(1.0, "Nucleus sampling threshold (1.0 = off).", gt=0, le=1)
+    temperature: float = _f(
+        1.0,
+        "Sampling temperature; the trainer's log-probs and entropy are of the same tempered distribution.",
+        gt=0,
+    )
+    top_p: float = _f(
+        1.0,
+        "Nucleus sampling threshold (1.0 = off); below 1 the trainer renormalises its log-probs over the same "
+        "nucleus (a sort of the vocabulary per token in each log-prob and update pass).",
+        gt=0,
+        le=1,
+    )
     max_prompt_len: int = _f(
         2048, "Longest prompt in tokens; longer prompts are dropped from the data.", ge=1
     )

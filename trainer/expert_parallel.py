@@ -205,8 +205,8 @@ def expert_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 @dataclass
 class ExpertShards:
-    """This rank's place in expert parallelism and what `apply_ep` sharded: `kinds` maps each expert-sharded
-    parameter (its name as the state-dict API spells it) to ROWS or LORA_B."""
+    """This rank's place in expert parallelism and what `shard_experts` sharded: `kinds` maps each
+    expert-sharded parameter (its name as the state-dict API spells it) to ROWS or LORA_B."""
 
     size: int  # EP
     rank: int  # this rank's index in its EP group

@@ -8,7 +8,10 @@ of keeping them (the head's weight is the FSDP root's, unsharded from the root's
 backward: FSDP2 does not reshard the root after forward).
 
 Per row the computation is the one the trainer ran on the full logits (head in the model dtype, then fp32
-log_softmax; entropy from the same fp32 logits, no gradient), so the values match.
+log_softmax; entropy from the same fp32 logits, no gradient), so the values match. The fp32 logits are
+divided by the rollout's sampling temperature first and, with a nucleus (top_p < 1), the tokens outside it
+are masked out, as vLLM's sampler does before the log-probs it returns (`logprobs_mode="processed_logprobs"`):
+the trainer scores the distribution the samples were drawn from.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class FinalHidden:
 
     def __init__(self, decoder: nn.Module):
         self.value: torch.Tensor | None = None
-        decoder.register_forward_hook(self._keep)
+        self.hook = decoder.register_forward_hook(self._keep)
 
     def _keep(self, module, args, output):
         self.value = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
@@ -44,10 +47,35 @@ class FinalHidden:
             self.value = None
 
 
+@torch.no_grad()
+def outside_nucleus(logits: torch.Tensor, top_p: float, targets: torch.Tensor) -> torch.Tensor:
+    """[N, V] bool: the tokens top-p sampling excludes, by vLLM's rule (`apply_top_k_top_p_pytorch`):
+    sorted ascending, a token is out while the probability mass up to and including it is at most 1 - top_p;
+    the most likely token always stays. The target never counts as out: a sampled token that sits on the
+    nucleus' edge in the engine's arithmetic and just past it in the trainer's keeps a finite log-prob."""
+    ascending, order = logits.sort(dim=-1)
+    out_sorted = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    out_sorted[:, -1] = False
+    out = torch.empty_like(out_sorted).scatter_(-1, order, out_sorted)
+    out[torch.arange(out.shape[0], device=out.device), targets] = False
+    return out
+
+
 def _chunk(
-    head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool, entropy_grad: bool
+    head: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool,
+    entropy_grad: bool,
+    temperature: float,
+    top_p: float,
 ):
     logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_p < 1.0:
+        # the dtype's lowest finite value, not -inf: exp gives 0 and the entropy's p * logit stays 0, not nan
+        logits = logits.masked_fill(outside_nucleus(logits, top_p, targets), torch.finfo(logits.dtype).min)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
     entropy = None
     if with_entropy:
@@ -63,10 +91,14 @@ def head_logprobs(
     chunk_tokens: int,
     with_entropy: bool,
     entropy_grad: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [B, W, H] (the positions that predict `targets` [B, W]) -> log-probs of the targets [B, W]
     fp32 (with grad when enabled) and entropy [B, W] fp32 or None. chunk_tokens: rows per head call
-    (0 = all rows in one call). entropy_grad: the entropy carries grad too (the entropy bonus)."""
+    (0 = all rows in one call). entropy_grad: the entropy carries grad too (the entropy bonus). temperature,
+    top_p: the sampling distribution the log-probs and entropy are of (the logits divided by temperature,
+    renormalised over the top_p nucleus; top_p = 1: the whole vocabulary)."""
     shape = targets.shape
     rows = hidden.reshape(-1, hidden.shape[-1])
     flat = targets.reshape(-1)
@@ -75,9 +107,11 @@ def head_logprobs(
     logps, entropies = [], []
     for h, t in zip(rows.split(size), flat.split(size)):
         if grad:
-            lp, ent = checkpoint(_chunk, head, h, t, with_entropy, entropy_grad, use_reentrant=False)
+            lp, ent = checkpoint(
+                _chunk, head, h, t, with_entropy, entropy_grad, temperature, top_p, use_reentrant=False
+            )
         else:
-            lp, ent = _chunk(head, h, t, with_entropy, entropy_grad)
+            lp, ent = _chunk(head, h, t, with_entropy, entropy_grad, temperature, top_p)
         logps.append(lp)
         entropies.append(ent)
     if not logps:  # zero rows

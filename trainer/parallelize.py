@@ -17,9 +17,10 @@ worker is a process of its own, with one model.
 
 The mesh (`make_meshes`): one FSDP dimension over all ranks; with expert parallelism (EP > 1) also a
 (dp, ep) mesh of num_ranks / EP x EP whose ep rows are consecutive ranks. `apply_ep` keeps each rank's
-experts of every MoE layer (trainer/expert_parallel.py), on the meta device before anything is loaded;
-`apply_fsdp` then shards each layer's experts module over the dp sub-mesh (the ranks holding the same
-experts) before the layer itself over all ranks, so FSDP never gathers an expert from another EP rank."""
+experts of every MoE layer (`shard_experts`, trainer/expert_parallel.py), on the meta device before
+anything is loaded; `apply_fsdp` then shards each layer's experts module over the dp sub-mesh (the ranks
+holding the same experts) before the layer itself over all ranks, so FSDP never gathers an expert from
+another EP rank."""
 
 from __future__ import annotations
 

@@ -40,15 +40,15 @@ _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|d
 _PACKED_KEYS = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
-def build_empty_model(path: str, dtype: torch.dtype) -> nn.Module:
+def build_empty_model(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
     """The causal LM of `path` with every parameter on the meta device and real buffers (rotary tables)."""
     from accelerate import init_empty_weights
 
     from rl.models import auto_causal_lm, auto_config
 
-    config = auto_config(path)
+    config = auto_config(path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
-        model = auto_causal_lm().from_config(config, dtype=dtype)
+        model = auto_causal_lm().from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     return model
 
 

@@ -27,6 +27,11 @@ class TrainerSpec:
     # per layer after FSDP's all-gather; bf16 = the checkpoint's dequantized twin
     base_format: str = "bf16"
     max_seq_len: int = 4096  # prompt + response; a longer sample is an error
+    # the rollout's sampling distribution: log-probs and entropy are those of logits / temperature over the
+    # top_p nucleus, what the sampler drew from (vLLM's processed log-probs; trainer/logprobs.py)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    trust_remote_code: bool = False  # model code shipped with the checkpoint (transformers)
     # the learning-rate schedule's length: trainer.total_steps times the optimizer steps a batch makes
     optimizer_steps: int = 100
     r3: bool = True
@@ -55,5 +60,9 @@ class TrainerSpec:
             )
         if self.keep_versions < 0:
             raise ValueError(f"TrainerSpec.keep_versions must be >= 0, got {self.keep_versions}")
+        if not self.temperature > 0:
+            raise ValueError(f"TrainerSpec.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"TrainerSpec.top_p must be in (0, 1], got {self.top_p}")
         if self.max_seq_len < 2:
             raise ValueError(f"TrainerSpec.max_seq_len must be >= 2, got {self.max_seq_len}")

@@ -119,7 +119,7 @@ class TrainerWorker:
         dtype = getattr(torch, spec.dtype)
         # The model is built, LoRA-wrapped and sharded on the meta device; each rank then reads only its
         # own rows of the base weights (trainer/sharded_load.py): host memory per rank ~ its shard.
-        base = sharded_load.build_empty_model(path, dtype)
+        base = sharded_load.build_empty_model(path, dtype, spec.trust_remote_code)
         self.hf_model = base  # the causal LM inside the PEFT wrapper: FSDP root
         self.model = lora.apply_lora(base, spec.lora, spec.seed, spec.init_lora_weights)
         # R3 on a MoE model whose router no family adapter knows is an error, never a silent 0 % replay
@@ -267,6 +267,8 @@ class TrainerWorker:
             self.spec.trainer.logits_chunk_tokens,
             with_entropy,
             entropy_grad,
+            self.spec.temperature,
+            self.spec.top_p,
         )
 
     @staticmethod

@@ -124,6 +124,40 @@ def test_sampled_logprobs_are_after_temperature_and_follow_the_sampled_token(wor
     assert len({tuple(s.response_ids) for s in samples[:3]}) > 1
 
 
+@torch.no_grad()
+def test_the_trainers_logprobs_are_the_engines_at_its_temperature_and_nucleus(worker, models, prompts):
+    """What the trainer scores a sample with (trainer/logprobs.py: the decoder's final hidden state through
+    the LM head, tempered, over the top-p nucleus) is what the engine returned for it: the k3 and importance
+    ratios compare like with like at rollout.temperature and rollout.top_p."""
+    from trainer.logprobs import NO_LOGITS, FinalHidden, head_logprobs
+
+    peft_a, tensors, config = models["a"]
+    worker.load_adapter(tensors, config, version=2)
+    temperature, top_p = 1.3, 0.7
+    samples = worker.generate(
+        _requests(prompts), SamplingSpec(n=3, temperature=temperature, top_p=top_p, max_tokens=12, seed=7)
+    )
+    decoder = peft_a.get_base_model().model
+    final = FinalHidden(decoder)
+    worst, worst_untruncated = 0.0, 0.0
+    for s in samples:
+        ids = s.prompt_ids + s.response_ids
+        with final.taken():
+            peft_a(input_ids=torch.tensor([ids]), logits_to_keep=NO_LOGITS, use_cache=False)
+            hidden = final.value[:, len(s.prompt_ids) - 1 : -1]
+        targets = torch.tensor([s.response_ids])
+        head = peft_a.get_output_embeddings()
+        got, _ = head_logprobs(head, hidden, targets, 0, False, temperature=temperature, top_p=top_p)
+        untruncated, _ = head_logprobs(head, hidden, targets, 0, False, temperature=temperature)
+        worst = max(worst, float(np.abs(got[0].numpy() - s.response_logprobs).max()))
+        worst_untruncated = max(
+            worst_untruncated, float(np.abs(untruncated[0].numpy() - s.response_logprobs).max())
+        )
+    final.hook.remove()
+    assert worst < TOL
+    assert worst_untruncated > 0.05  # the nucleus matters on these samples: the check above could fail
+
+
 def test_adapter_changes_logprobs_and_next_version_replaces_it(worker, models, prompts):
     base = models["base"]
     ids = prompts[0] + prompts[1][2:]

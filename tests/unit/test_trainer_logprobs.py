@@ -121,3 +121,52 @@ def test_chunked_head_peak_memory_is_a_fraction_of_the_full_logits_at_32k_vocab(
     torch.testing.assert_close(lp, full_lp, rtol=0, atol=1e-6)
     torch.testing.assert_close(ent, full_ent, rtol=0, atol=1e-6)
     torch.testing.assert_close(grad, full_grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.6, 1.0), (1.3, 0.8), (1.0, 0.35)])
+def test_logprobs_are_of_the_distribution_vllm_samples_from(temperature, top_p):
+    """The reference is vLLM's own sampler code (the processed log-probs a rollout returns: logits in fp32
+    over temperature, its top-p mask, log_softmax); targets are drawn from that distribution."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    torch.manual_seed(0)
+    tokens, width, vocab = 96, 32, 500
+    head = torch.nn.Linear(width, vocab, bias=False).requires_grad_(False)
+    head.weight.mul_(10)  # peaked rows: the nucleus at top_p 0.35-0.8 holds tens of tokens, not hundreds
+    hidden = torch.randn(1, tokens, width, requires_grad=True)
+
+    with torch.no_grad():
+        logits = head(hidden[0]).float() / temperature
+        p = torch.full((tokens,), top_p) if top_p < 1 else None
+        ref = apply_top_k_top_p_pytorch(logits, None, p).log_softmax(-1)
+        targets = torch.multinomial(ref.exp(), 1, generator=torch.Generator().manual_seed(1)).T  # [1, tokens]
+    kept = torch.isfinite(ref).sum(-1).float()
+    if top_p < 1:
+        assert kept.mean() < vocab / 4  # the nucleus truncates: the test could tell it from the full softmax
+
+    got, entropy = head_logprobs(
+        head, hidden, targets, 7, with_entropy=True, temperature=temperature, top_p=top_p
+    )
+    want = ref.gather(-1, targets.T).T
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy[0], torch.special.entr(ref.exp()).sum(-1), rtol=0, atol=1e-5)
+    untempered, _ = head_logprobs(head, hidden.detach(), targets, 7, with_entropy=False)
+    assert (untempered - want).abs().max() > 0.05  # what the trainer scored without the sampler's settings
+
+    # Gradients: those of the log-softmax over vLLM's nucleus (none reaches a logit outside it).
+    (grad,) = torch.autograd.grad(got.sum(), hidden)
+    nucleus = (head(hidden[0]).float() / temperature).masked_fill(ref.isinf(), -torch.inf).log_softmax(-1)
+    (want_grad,) = torch.autograd.grad(nucleus.gather(-1, targets.T).sum(), hidden)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_target_just_outside_the_trainers_nucleus_keeps_a_finite_logprob():
+    """A sampled token on the nucleus' edge in the engine's arithmetic may fall just past it in the trainer's:
+    its log-prob is taken over the nucleus with it, never -inf (a ratio of 0 or an infinite k3)."""
+    logits = torch.tensor([[4.0, 3.0, 0.0, -1.0]])
+    head = torch.nn.Identity()
+    top_p = 0.5  # the nucleus is token 0 alone (p = 0.71)
+    (inside,), _ = head_logprobs(head, logits, torch.tensor([0]), 0, False, top_p=top_p)
+    (edge,), _ = head_logprobs(head, logits, torch.tensor([1]), 0, False, top_p=top_p)
+    assert inside == 0.0  # the whole nucleus
+    assert torch.isfinite(edge) and -1.5 < edge < -1.0  # log(e^3 / (e^4 + e^3))
