@@ -321,6 +321,7 @@ def engine_spec(cfg: SparkConfig, model_path: str):
         routing_by_reference=cfg.r3.enabled,
         enable_sleep_mode=on_gpu and ro.placement == "colocated",
         trust_remote_code=cfg.model.trust_remote_code,
+        chat_template_kwargs=dict(cfg.data.chat_template_kwargs),
     )
 
 

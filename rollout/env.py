@@ -109,16 +109,22 @@ class ContinuationError(ValueError):
     """The chat template does not render the environment's messages as a continuation of the turn."""
 
 
-def continuation_ids(tokenizer, messages: list[dict], end_token_id: int) -> list[int]:
+def continuation_ids(
+    tokenizer, messages: list[dict], end_token_id: int, template_kwargs: dict | None = None
+) -> list[int]:
     """The token ids the chat template puts after an assistant turn that ended on `end_token_id` (the
     turn's last sampled token): `messages` rendered, then the generation prompt of the next assistant turn.
+    template_kwargs: the template's variables the first prompt was rendered with (data.chat_template_kwargs,
+    e.g. Qwen3's enable_thinking, which shapes every generation prompt).
 
     The template renders a probe conversation (a user turn, an assistant turn, then `messages`); the text
     after the end-of-turn token that closes the probe assistant's content is tokenized on its own. That is
     exact for templates whose end-of-turn is a special token (tokenization never merges across it);
     tests/unit/test_rollout_env.py checks it against tokenizing the whole rendering."""
     probe = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
-    full = tokenizer.apply_chat_template(probe + list(messages), tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(
+        probe + list(messages), tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+    )
     at = full.rfind(_PROBE_ASSISTANT)
     eot = tokenizer.decode([end_token_id])
     if at < 0 or not eot:
@@ -214,12 +220,14 @@ def run_episodes(
     limits: EpisodeLimits,
     max_tokens: int,
     parser: Callable[[str], tuple[list[ToolCall], int]] = parse_json_tool_calls,
+    template_kwargs: dict | None = None,
 ) -> list[Episode]:
     """Advance every episode turn by turn: one `engine` call a turn for all live episodes, then the
     environments' steps concurrently (also after the last turn, for their reward). An episode ends when its
     environment says done, its turn hit the token limit (finish "length"), `max_turns` turns were generated, the next turn would not fit
     `max_total_tokens`, or its environment raised or timed out (counted in `info`). Each episode's response
-    ends at its last generated token (`Episode.trimmed`)."""
+    ends at its last generated token (`Episode.trimmed`). template_kwargs: the chat template's variables of
+    the prompts, for the environments' messages and the next turns' generation prompts (`continuation_ids`)."""
     episodes = [Episode(list(p), env, s) for p, env, s in zip(prompts, envs, seeds)]
     pool = ThreadPoolExecutor(max(1, limits.env_workers), thread_name_prefix="sparkrl-env")
     try:
@@ -246,7 +254,8 @@ def run_episodes(
                 else:
                     stepping.append(e)
             # After the last turn the environments still see it (for their reward); their messages are unused.
-            _step_envs(stepping, tokenizer, limits, parser, pool, final=turn == limits.max_turns - 1)
+            final = turn == limits.max_turns - 1
+            _step_envs(stepping, tokenizer, limits, parser, pool, final, template_kwargs)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     for e in episodes:
@@ -303,7 +312,15 @@ def _wait_steps(steps: list[tuple[Future, list[float]]], timeout_s: float) -> se
     return timed_out
 
 
-def _step_envs(episodes: list[Episode], tokenizer, limits: EpisodeLimits, parser, pool, final: bool) -> None:
+def _step_envs(
+    episodes: list[Episode],
+    tokenizer,
+    limits: EpisodeLimits,
+    parser,
+    pool,
+    final: bool,
+    template_kwargs: dict | None,
+) -> None:
     if not episodes:
         return
     futures = []
@@ -341,7 +358,7 @@ def _step_envs(episodes: list[Episode], tokenizer, limits: EpisodeLimits, parser
             e.done = True
             continue
         try:
-            ids = continuation_ids(tokenizer, result.messages, e.response_ids[-1])
+            ids = continuation_ids(tokenizer, result.messages, e.response_ids[-1], template_kwargs)
         except Exception:
             e.info["env_errors"] += 1
             e.done = True

@@ -41,6 +41,9 @@ class EngineSpec:
     # 0 leaves vLLM's configs. Not a `vllm.LLM` argument: vLLM's tuned-config folder (rollout/lora_kernels.py).
     hopper_lora_expand_block_n: int = 32
     trust_remote_code: bool = False
+    # data.chat_template_kwargs: the template's variables the prompts were rendered with; multi-turn
+    # episodes render the environments' messages and each next generation prompt with them too
+    chat_template_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
         ro = self.rollout

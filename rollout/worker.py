@@ -440,6 +440,7 @@ class RolloutWorker:
             limits,
             sampling.max_tokens,
             TOOL_PARSERS[rollout.tool_parser],
+            self.spec.chat_template_kwargs,
         )
         samples = []
         for req, e in zip(owners, episodes):

@@ -54,7 +54,6 @@ DRIVER_READS = {
     "data.shuffle": "rl.driver.Run.__init__",
     "data.seed": "rl.setup.load_prompts_for",
     "data.prompt_key": "rl.setup.load_prompts_for",
-    "data.chat_template_kwargs": "rl.setup.load_prompts_for",
     "data.arith.train_rows": "rl.setup.build_components",
     "data.arith.eval_rows": "rl.setup.build_components",
     "data.arith.num_terms": "rl.setup.load_prompts_for",

@@ -132,6 +132,38 @@ def _script(tok):
     ]
 
 
+def test_template_variables_shape_every_turns_generation_prompt():
+    """data.chat_template_kwargs (here a Qwen3-style `enable_thinking`) rendered the first prompt; the
+    environment's messages and the next turn's generation prompt are rendered with them too, through the
+    episode loop as through continuation_ids."""
+    tok = train_tokenizer(0)
+    tok.chat_template = tok.chat_template.replace(
+        "{{ '<|assistant|>\\n' }}",
+        "{{ '<|assistant|>\\n' }}{%- if enable_thinking is defined and not enable_thinking %}{{ 'no thinking: ' }}"
+        "{%- endif %}",
+    )
+    end = tok.convert_tokens_to_ids(EOS_TOKEN)
+    messages = [{"role": "tool", "content": "result 1"}]
+    plain = continuation_ids(tok, messages, end)
+    off = continuation_ids(tok, messages, end, {"enable_thinking": False})
+    assert tok.decode(off).endswith("<|assistant|>\nno thinking: ")
+    assert off[: len(plain)] == plain and len(off) > len(plain)
+
+    engine = FakeEngine(tok, _script(tok), end)
+    prompt = tok.encode("<|user|>\nadd<|end|>\n<|assistant|>\nno thinking: ")
+    run_episodes(
+        [CountingEnv({})],
+        [prompt],
+        [7],
+        engine,
+        tok,
+        _limits(),
+        64,
+        template_kwargs={"enable_thinking": False},
+    )
+    assert engine.calls[1][0][0] == prompt + _script(tok)[0] + [end] + off
+
+
 def test_three_turns_token_exact(tok):
     end = tok.convert_tokens_to_ids(EOS_TOKEN)
     engine = FakeEngine(tok, _script(tok), end)
