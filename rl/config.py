@@ -279,9 +279,17 @@ class RewardConfig:
         le=1,
     )
     timeout_s: float = _f(
-        10.0, "Seconds allowed to score one response (then it scores -1 and counts as an error).", gt=0
+        10.0,
+        "Seconds allowed to score one response (then its process is replaced, and it scores -1 and counts as "
+        "an error); enforced by the scoring processes: not with `reward.num_workers` 0.",
+        gt=0,
     )
-    num_workers: int = _f(0, "Scoring processes (0 = in the driver).", ge=0)
+    num_workers: int = _f(
+        4,
+        "Scoring processes (0 = in the driver, without `reward.timeout_s`: a checker that hangs stops the run; "
+        "for debugging, or a demo on few cores).",
+        ge=0,
+    )
 
 
 def reward_checkers(reward: RewardConfig) -> dict[str, str]:
