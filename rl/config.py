@@ -154,7 +154,8 @@ class DynamicSamplingConfig:
 
 @dataclass
 class OverlongConfig:
-    """DAPO overlong reward shaping: a penalty growing over the last tokens before the length limit."""
+    """DAPO overlong reward shaping: a penalty growing over the last tokens before the length limit, on the
+    training rewards (evaluations score the task's reward alone, as `sparkrl eval` does)."""
 
     buffer_len: int = _f(
         0, "Tokens before `rollout.max_response_len` over which the penalty ramps (0 = off).", ge=0

@@ -419,7 +419,9 @@ class Run:
             prompt_requests(self.eval_prompts, rows=bool(cfg.rollout.env)),
             self._sampling(eval_stream(step), eval=True),
         )
-        scored = self._score(samples, self.eval_prompts)
+        # the task's rewards, as `sparkrl eval` scores them: the overlong shaping is a training signal, and
+        # eval.max_response_len is not the length it is measured against
+        scored = self._score(samples, self.eval_prompts, shaped=False)
         self._check_reward_errors(
             f"eval at step {step}", scored.errors, len(samples), next(iter(scored.messages), "")
         )
@@ -440,10 +442,10 @@ class Run:
     def _sampling(self, stream: int, eval: bool = False):
         return sampling_spec(self.cfg, sampling_seed(self.cfg.rollout.seed, stream), eval=eval)
 
-    def _score(self, samples: list[Sample], prompts: list[Prompt], offset: int = 0):
-        """Fill reward/acc/pred of every sample (with DAPO overlong shaping), each scored against its prompt's
-        row (`prompts[group - offset]`: data source, ground truth, extra_info). -> the RewardResults, with
-        the decoded responses as `responses`."""
+    def _score(self, samples: list[Sample], prompts: list[Prompt], offset: int = 0, shaped: bool = True):
+        """Fill reward/acc/pred of every sample (shaped: with DAPO's overlong penalty, algorithm.overlong),
+        each scored against its prompt's row (`prompts[group - offset]`: data source, ground truth,
+        extra_info). -> the RewardResults, with the decoded responses as `responses`."""
         from rl.reward import RewardRow, score_episodes
 
         responses = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
@@ -456,7 +458,7 @@ class Run:
                 f"{self.dir / 'logs' / 'reward.log'}"
             )
         ov = self.cfg.algorithm.overlong
-        if ov.buffer_len > 0:
+        if shaped and ov.buffer_len > 0:
             lengths = torch.tensor([s.num_generated for s in samples])
             penalty = algo.overlong_penalty(
                 lengths, self.cfg.rollout.max_response_len, ov.buffer_len, ov.penalty_factor

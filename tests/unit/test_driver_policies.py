@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rl.config import load_config
@@ -168,3 +170,45 @@ def test_the_k3_check_and_the_lengths_count_only_the_tokens_the_policy_sampled()
     assert masked == mismatch_metrics([trainer[[0, 1, 4]]], [sampled_only])
     assert 0 < masked["rollout_corr/k3_kl"] < 1e-2  # the placeholders' gaps of 7 and 9 nats left out
     assert batch_metrics([s], [s], 16)["response_length/mean"] == 3
+
+
+def test_evaluation_scores_the_tasks_reward_and_training_the_shaped_one(tmp_path):
+    """DAPO's overlong penalty shapes the training rewards only: an evaluation's records hold the task's
+    reward, as `sparkrl eval` scores them. The engine's samples come from a stub (`generate` returns given
+    samples); the scoring, the real tokenizer and reward checker, is what runs."""
+    import numpy as np
+
+    from rl.core.batch import Sample
+    from rl.data.loader import Prompt
+    from rl.driver import Run
+    from rl.evaluation import records_path
+    from rl.reward import RewardPool
+    from rl.tiny import train_tokenizer
+
+    tok = train_tokenizer(0)
+    response = tok.encode("1 + 2 = 3, so 3.\nAnswer: 3", add_special_tokens=False)
+    assert 16 < len(response) < 32  # inside the penalty's ramp: the last 16 of 32 tokens
+
+    def samples():
+        return [
+            Sample([1, 2], list(response), np.zeros(len(response), np.float32), "stop", 0, 0, "arith", "3")
+            for _ in range(2)
+        ]
+
+    class Rollout:
+        def generate(self, requests, sampling):
+            return samples()
+
+    run = Run.__new__(Run)
+    run.cfg = _cfg("rollout.max_response_len=32", "algorithm.overlong.buffer_len=16", "eval.k=2")
+    run.tokenizer, run.reward, run.rollout = tok, RewardPool(num_workers=0), Rollout()
+    run.dir, run.log, run.eval_history = tmp_path, _Log(), []
+    run.eval_prompts = [Prompt([1, 2], "arith", "3", 0)]
+
+    train = samples()
+    run._score(train, run.eval_prompts)
+    assert all(s.acc for s in train) and all(0 < s.reward < 1 for s in train)  # shaped
+    metrics = run._evaluate(0)
+    assert metrics["val-core/arith/reward/mean@2"] == 1.0
+    records = [json.loads(line) for line in records_path(tmp_path, 0).read_text().splitlines()]
+    assert [r["score"] for r in records] == [1.0, 1.0]
