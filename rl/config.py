@@ -909,10 +909,22 @@ def validate(cfg: SparkConfig) -> list[tuple[str, str]]:
         "trainer.betas",
         f"must be two numbers in [0, 1), got {tr.betas}",
     )
+    # the schedule counts optimizer steps: trainer.total_steps batches of steps_per_batch each
+    from trainer.minibatch import steps_per_batch
+
+    per_batch = steps_per_batch(da.train_batch_size, tr.mini_batch_size, tr.ppo_epochs)
+    optimizer_steps = tr.total_steps * per_batch
     need(
-        tr.warmup_steps == 0 or tr.warmup_steps < tr.total_steps,
+        tr.warmup_steps == 0 or tr.warmup_steps < optimizer_steps,
         "trainer.warmup_steps",
-        f"must be less than trainer.total_steps ({tr.total_steps}), got {tr.warmup_steps}",
+        f"counts optimizer steps: must be less than the run's {optimizer_steps} (trainer.total_steps "
+        f"{tr.total_steps} x {per_batch} a batch), got {tr.warmup_steps}",
+    )
+    need(
+        not 0 < lo.dropout < 1 or not lo.target_experts,  # out of [0, 1): the bound says so
+        "lora.dropout",
+        f"must be 0 with lora.target_experts=true (PEFT applies no dropout to expert parameters), got "
+        f"{lo.dropout}; set lora.target_experts=false to use dropout",
     )
     need(
         tr.mini_batch_size == 0 or da.train_batch_size % tr.mini_batch_size == 0,

@@ -319,7 +319,7 @@ class Run:
             at_generation, logp_metrics = self.trainer.log_probs(samples, version=generated_by)
             metrics.update(logp_metrics)
             metrics.update(self._check_kl(step, at_generation, samples))
-            current, _ = self.trainer.log_probs(samples)
+            current, _ = self.trainer.log_probs(samples, live=False)  # the live score came with the first
             metrics["rollout/policy_lag_k3_kl"] = policy_lag_k3(current, at_generation, samples)
             clock.train_start = time.perf_counter()
             metrics.update(self.trainer.train_step(samples, advantages, current))

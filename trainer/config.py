@@ -47,11 +47,14 @@ class TrainerConfig:
     micro_batch_tokens: int = _f(
         16384,
         "Token budget of one forward/backward per rank (sequences are packed "
-        "up to it; 0 = use `trainer.micro_batch_size`).",
+        "up to it, padded to the longest; 0 = no token budget, `trainer.micro_batch_size` alone).",
         ge=0,
     )
     micro_batch_size: int = _f(
-        0, "Sequences per forward/backward per rank, when `micro_batch_tokens` is 0.", ge=0
+        0,
+        "Most sequences in one forward/backward per rank (0 = no count limit); with `micro_batch_tokens` "
+        "both limits hold.",
+        ge=0,
     )
     activation_checkpointing: bool = _f(
         True,
@@ -95,7 +98,10 @@ class TrainerConfig:
         ge=0,
     )
     max_skipped_steps: int = _f(
-        3, "Consecutive steps skipped for a non-finite loss or gradient before the run fails.", ge=0
+        3,
+        "Consecutive steps skipped for a non-finite loss or gradient before the run fails (0 = never fail: "
+        "every such step is skipped and counted).",
+        ge=0,
     )
 
 

@@ -172,12 +172,16 @@ class TrainerGroup:
         return split_by_tokens([s.num_tokens for s in samples], self.num_ranks)
 
     def log_probs(
-        self, samples: list[Sample], version: int | None = None
+        self, samples: list[Sample], version: int | None = None, live: bool = True
     ) -> tuple[list[np.ndarray], dict[str, float]]:
-        """The samples' response log-probs at adapter `version` (a kept older one; None: the current)."""
+        """The samples' response log-probs at adapter `version` (a kept older one; None: the current); live:
+        with r3.measure_live_kl, also the live-routing score (TrainerWorker.log_probs)."""
         parts = self._split(samples)
         results = self._get(
-            [w.log_probs.remote([samples[i] for i in p], p, version) for w, p in zip(self.workers, parts)]
+            [
+                w.log_probs.remote([samples[i] for i in p], p, version, live)
+                for w, p in zip(self.workers, parts)
+            ]
         )
         return in_batch_order(len(samples), parts, [values for values, _ in results]), results[0][1]
 

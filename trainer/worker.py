@@ -288,15 +288,21 @@ class TrainerWorker:
 
     @torch.no_grad()
     def log_probs(
-        self, samples: list[Sample], sample_ids: list[int] | None = None, version: int | None = None
+        self,
+        samples: list[Sample],
+        sample_ids: list[int] | None = None,
+        version: int | None = None,
+        live: bool = True,
     ) -> tuple[list[np.ndarray], dict[str, float]]:
         """Per-sample response-token log-probs (float32, in the order of `samples`) and global metrics
         {"r3/replayed_fraction", "actor/entropy"}. No dropout, no gradients. sample_ids: the samples'
         positions in the whole batch (error messages name them). version: the adapter version to score
-        with (one of the kept older ones: trainer/versions.py); None = the current one."""
+        with (one of the kept older ones: trainer/versions.py); None = the current one. live: with
+        spec.r3_live_kl, also the live-routing forward and "r3/live_k3_kl" (False: a batch's second scoring,
+        whose live score would repeat the first's forward)."""
         self._agree(lambda: self._check_samples(samples, sample_ids))
         with self.versions.at(version, self.step):
-            policy, _, metrics = self._scoring_pass(samples, policy=True, reference=False, live=True)
+            policy, _, metrics = self._scoring_pass(samples, policy=True, reference=False, live=live)
         return policy, metrics
 
     @torch.no_grad()

@@ -33,6 +33,7 @@ def _spec(path: str, fmt: str, dtype: str = "float32") -> TrainerSpec:
         ),
         max_seq_len=32,
         r3=True,
+        r3_live_kl=True,
         base_format=fmt,
         seed=1,
         init_lora_weights=False,
@@ -71,7 +72,7 @@ def _rank_main(rank, world, port, nvfp4, cache, out_dir):
         cfg = w.hf_model.config
         samples = _samples(cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_experts)
         lp, m1 = w.log_probs(samples)
-        _, m2 = w.log_probs(samples)
+        _, m2 = w.log_probs(samples, live=False)  # a batch's second scoring: no live-routing forward
         step = w.train_step(samples, [1.0, -0.5, 0.3, 0.7, -1.2])
         results[key] = {
             "logp": lp,
@@ -111,6 +112,8 @@ def test_log_probs_loss_and_lora_gradients_are_bitwise_the_twins(results):
             assert x.dtype == np.float32 and np.array_equal(x, y)
         assert a["metrics"]["actor/entropy"] == b["metrics"]["actor/entropy"]
         assert a["metrics"]["r3/replayed_fraction"] == b["metrics"]["r3/replayed_fraction"] > 0
+        assert a["metrics"]["r3/live_k3_kl"] == b["metrics"]["r3/live_k3_kl"] > 0  # foreign routing replayed
+        assert "r3/live_k3_kl" not in a["second_metrics"]
         for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac"):
             assert a["step"][k] == b["step"][k], k
     a, b = ranks[0]["nvfp4"]["grads"], ranks[0]["bf16"]["grads"]

@@ -267,6 +267,21 @@ def test_live_routing_kl_needs_routing_replay(tmp_path):
     assert validate(load_config(recipe(tmp_path), ["r3.measure_live_kl=true"])) == []
 
 
+def test_warmup_counts_optimizer_steps_and_dropout_needs_no_expert_targets(tmp_path):
+    # 4 steps of 32 prompts in mini-batches of 8, 2 epochs: 32 optimizer steps, the schedule's length
+    steps = ["trainer.total_steps=4", "trainer.mini_batch_size=8", "trainer.ppo_epochs=2"]
+    assert validate(load_config(recipe(tmp_path), [*steps, "trainer.warmup_steps=20"])) == []
+    assert (
+        "trainer.warmup_steps: counts optimizer steps: must be less than the run's 32 (trainer.total_steps 4 "
+        "x 8 a batch), got 32"
+    ) in error(recipe(tmp_path), [*steps, "trainer.warmup_steps=32"])
+    assert (
+        "lora.dropout: must be 0 with lora.target_experts=true (PEFT applies no dropout to expert "
+        "parameters), got 0.1; set lora.target_experts=false to use dropout"
+    ) in error(recipe(tmp_path), ["lora.dropout=0.1"])
+    assert validate(load_config(recipe(tmp_path), ["lora.dropout=0.1", "lora.target_experts=false"])) == []
+
+
 def test_interpolation_error_names_the_key(tmp_path):
     assert error(recipe(tmp_path), ["rollout.seed=${run.nope}"]) == (
         "override 'rollout.seed=${run.nope}': rollout.seed: Interpolation key 'run.nope' not found"
