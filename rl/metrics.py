@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -85,6 +86,7 @@ def _finite(v):
 
 DEFAULT_MLFLOW_EXPERIMENT = "sparkrl"
 MLFLOW_RUN_ID_FILE = "mlflow_run_id"
+WANDB_RUN_ID_FILE = "wandb_run_id"
 # (config key, module, package to install) of each optional tracker
 _TRACKERS = (
     ("logging.wandb_project", "wandb", "wandb"),
@@ -232,15 +234,13 @@ class MetricsLogger:
         self._wandb = None
         if wandb_project:
             wandb = _import_tracker("logging.wandb_project")
-            # W&B ids allow letters, digits, '-', '_' and '.': sweep run names hold '/', '=' and ','.
-            run_id = re.sub(r"[^\w.-]", "_", run_name) or None
             self._wandb = wandb.init(
                 project=wandb_project,
                 entity=wandb_entity or None,
                 name=run_name,
                 config=config,
                 resume="allow",
-                id=run_id,
+                id=wandb_run_id(Path(run_dir), run_name),
             )
         self._mlflow = None
         if mlflow_tracking_uri:
@@ -348,6 +348,22 @@ class MetricsLogger:
             self._wandb.finish()
         if self._mlflow is not None:
             self._mlflow.close()
+
+
+def wandb_run_id(run_dir: Path, run_name: str) -> str:
+    """The W&B run id of this run directory: kept in it (WANDB_RUN_ID_FILE) from its first start, so a resume
+    logs into the same W&B run and another directory of the same run.name into a new one. The id is the
+    name (W&B ids allow letters, digits, '-', '_' and '.': sweep run names hold '/', '=' and ',') and 8 random
+    hex digits."""
+    id_file = run_dir / WANDB_RUN_ID_FILE
+    if id_file.exists() and id_file.read_text().strip():
+        return id_file.read_text().strip()
+    name = re.sub(r"[^\w.-]", "_", run_name)[:55] or "run"
+    run_id = f"{name}-{secrets.token_hex(4)}"
+    tmp = id_file.with_name(f".{id_file.name}.tmp")  # renamed into place: never a half-written id
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, id_file)
+    return run_id
 
 
 class _MLflowRun:

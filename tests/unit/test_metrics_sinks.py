@@ -112,12 +112,21 @@ def test_wandb_gets_a_table_of_rollouts_at_the_step(tmp_path, monkeypatch):
     log = MetricsLogger(tmp_path, total_steps=2, tensorboard=False, wandb_project="p", run_name="a/b=1")
     log.log_rollouts(2, _rows(2))
     log.close()
-    assert calls[0][1]["id"] == "a_b_1" and calls[0][1]["resume"] == "allow"
+    run_id = calls[0][1]["id"]
+    assert re.fullmatch(r"a_b_1-[0-9a-f]{8}", run_id) and calls[0][1]["resume"] == "allow"
     (_, data, step) = calls[1]
     table = data["rollouts"]
     assert step == 2 and table.columns == list(ROLLOUT_COLUMNS) and len(table.data) == TRACKER_ROWS
     assert max(len(row[table.columns.index("response")]) for row in table.data) < 600
     assert calls[-1] == ("finish",)
+    # resumed in its directory: the same W&B run; the same run.name in another directory: a new one
+    calls.clear()
+    MetricsLogger(tmp_path, 2, start_step=1, tensorboard=False, wandb_project="p", run_name="a/b=1").close()
+    other = tmp_path / "other"
+    other.mkdir()
+    MetricsLogger(other, 2, tensorboard=False, wandb_project="p", run_name="a/b=1").close()
+    inits = [c[1]["id"] for c in calls if c[0] == "init"]
+    assert inits[0] == run_id and inits[1] != run_id and inits[1].startswith("a_b_1-")
 
 
 def test_a_tracker_without_its_package_is_one_line_naming_the_key(tmp_path, monkeypatch):
