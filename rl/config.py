@@ -309,7 +309,11 @@ class EvalConfig:
     temperature: float = _f(1.0, "Sampling temperature.", ge=0)
     top_p: float = _f(1.0, "Nucleus sampling threshold.", gt=0, le=1)
     max_response_len: int = _f("${rollout.max_response_len}", "Most tokens generated for one response.", ge=1)
-    data: str = _f("BytedTsinghua-SIA/AIME-2024", "Eval prompt source ('' = none).")
+    data: str = _f(
+        "",
+        "Eval prompt source, a `data.train`-style source (e.g. `BytedTsinghua-SIA/AIME-2024`, the flagship "
+        "recipe's); '' = no evaluation.",
+    )
     at_start: bool = _f(True, "Also evaluate before the first step.")
 
 

@@ -154,7 +154,7 @@ class Run:
 
         start = time.perf_counter()
         previous = self._install_signal_handlers()
-        for notice in (compile_notice(self.cfg), staleness_notice(self.cfg)):
+        for notice in (compile_notice(self.cfg), staleness_notice(self.cfg), eval_notice(self.cfg)):
             if notice:
                 self.log.event(notice)
         try:
@@ -737,6 +737,16 @@ def compile_notice(cfg) -> str | None:
         return (
             "trainer: the first step compiles each decoder layer (torch.compile; a few minutes, once per "
             "trainer start); trainer.compile=false skips it"
+        )
+    return None
+
+
+def eval_notice(cfg) -> str | None:
+    """eval.every > 0 without eval.data: the run has nothing to evaluate on, said before it starts."""
+    if cfg.eval.every > 0 and not cfg.eval.data:
+        return (
+            f"[yellow]eval.every={cfg.eval.every} but eval.data is not set: no held-out evaluation in this run "
+            "(set eval.data to a prompt source, or eval.every=0)"
         )
     return None
 

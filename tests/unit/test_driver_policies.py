@@ -212,3 +212,12 @@ def test_evaluation_scores_the_tasks_reward_and_training_the_shaped_one(tmp_path
     assert metrics["val-core/arith/reward/mean@2"] == 1.0
     records = [json.loads(line) for line in records_path(tmp_path, 0).read_text().splitlines()]
     assert [r["score"] for r in records] == [1.0, 1.0]
+
+
+def test_a_run_with_evaluation_on_and_no_eval_data_is_told_before_it_starts():
+    from rl.driver import eval_notice
+
+    assert eval_notice(_cfg()) is None  # the demo evaluates on synthetic:arith
+    notice = eval_notice(_cfg("eval.data="))
+    assert notice and "eval.every=5 but eval.data is not set" in notice
+    assert eval_notice(_cfg("eval.data=", "eval.every=0")) is None
