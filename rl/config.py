@@ -341,7 +341,11 @@ class SyncConfig:
 class R3Config:
     """Rollout routing replay: the trainer routes each token to the experts the rollout engine chose."""
 
-    enabled: bool = _f(True, "Capture routing in rollout and replay it in the trainer.")
+    enabled: bool = _f(
+        True,
+        "Capture routing in rollout and replay it in the trainer (a dense model has no routing: nothing to "
+        "replay, `r3/replayed_fraction` 0).",
+    )
     measure_live_kl: bool = _f(
         False,
         "With R3 on, also score every batch with the trainer's own (live) routing and report "

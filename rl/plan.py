@@ -28,7 +28,8 @@ The model (figures per GPU; GiB = 2**30 bytes):
   layer's input kept under activation checkpointing; with trainer.activation_memory_budget B on compiled GPU
   layers, the compiled graphs' inputs plus B of the rest that no checkpointing would keep; one layer's
   working set; the LM head's logits of one trainer.logits_chunk_tokens chunk in model.dtype plus their fp32
-  copy and log-softmax, recomputed in backward); 1 GiB runtime.
+  copy and log-softmax, recomputed in backward, and with rollout.top_p < 1 the nucleus' sort); 1 GiB
+  runtime.
 - Placement (rl.placement, the same rules the run reserves its GPUs by): split, each engine on TP GPUs of
   its own; colocated, each GPU holds one trainer rank and one TP rank of an engine, the TP ranks of an
   engine on one node. The trainer's sharded state stays resident while vLLM runs within its fraction of
@@ -519,9 +520,11 @@ def _layer_working_set(s: ModelShape, tokens: int, abytes: int, tp: int = 1) -> 
     return tokens * abytes * (6 * s.hidden + (2 * q + 2 * kv) / tp + mlp)
 
 
-def _logits_bytes(tokens: int, vocab: float, abytes: int) -> float:
-    """The trainer's response logits in the compute dtype, their fp32 copy and fp32 log-softmax."""
-    return tokens * vocab * (abytes + 4 + 4)
+def _logits_bytes(tokens: int, vocab: float, abytes: int, nucleus: bool = False) -> float:
+    """The trainer's response logits in the compute dtype, their fp32 copy and fp32 log-softmax; nucleus
+    (rollout.top_p < 1, trainer/logprobs.py): 12 bytes a logit more, the sort's peak (its fp32 values and
+    int64 order; measured over a chunk's forward and backward: 13 bytes a logit without it, 25 with)."""
+    return tokens * vocab * (abytes + 4 + 4 + (12 if nucleus else 0))
 
 
 def memory_budget(cfg) -> float:
@@ -574,7 +577,7 @@ def trainer_activations(cfg, s: ModelShape, tokens: int, abytes: int) -> float:
         kept = s.num_layers * tokens * s.hidden * abytes  # each layer's input, recomputed in backward
     else:
         kept = every
-    return kept + work + _logits_bytes(logits_tokens(cfg, tokens), s.vocab, abytes)
+    return kept + work + _logits_bytes(logits_tokens(cfg, tokens), s.vocab, abytes, cfg.rollout.top_p < 1)
 
 
 def make_plan(cfg, gpu_gib: float | None = None, quantized: bool = False, advise: bool = True) -> Plan:
@@ -650,7 +653,7 @@ def make_plan(cfg, gpu_gib: float | None = None, quantized: bool = False, advise
         lora_params_rollout_gpu=lora_gpu,
         lora_rank=vllm_lora_rank(cfg.lora.rank),
         untargeted=untargeted_modules(cfg, s),
-        t_logits=_logits_bytes(logits_tokens(cfg, tokens), s.vocab, wbytes),
+        t_logits=_logits_bytes(logits_tokens(cfg, tokens), s.vocab, wbytes, cfg.rollout.top_p < 1),
         base_format=base,
         base_format_why=base_why,
         base_label="nvfp4, packed" if base == "nvfp4" else cfg.model.dtype,
@@ -866,7 +869,7 @@ def _training_hints(p: Plan, cfg, sleeping: float, need_ranks: list[tuple[int, s
         need_ranks.append((math.ceil(sharded / (G - fixed)), "for the training phase"))
     wbytes = DTYPE_BYTES[cfg.model.dtype]
     if p.logits_tokens > DEFAULT_LOGITS_CHUNK:
-        chunked = _logits_bytes(DEFAULT_LOGITS_CHUNK, p.shape.vocab, wbytes)
+        chunked = _logits_bytes(DEFAULT_LOGITS_CHUNK, p.shape.vocab, wbytes, cfg.rollout.top_p < 1)
         changes.append(
             Change(
                 f"trainer.logits_chunk_tokens={DEFAULT_LOGITS_CHUNK} cuts the LM head's logits from "

@@ -184,15 +184,6 @@ def check_model(cfg: SparkConfig, problems: list[str], hub: Hub | None = None, t
                 f"trainer.expert_parallel_size: {ep} does not divide the expert count of {what} ({experts} "
                 "routed experts a layer); use a divisor of it"
             )
-    if moe is False:
-        if cfg.lora.target_experts:
-            problems.append(
-                f"lora.target_experts: {what} is dense (no experts); set lora.target_experts=false"
-            )
-        if cfg.r3.enabled:
-            problems.append(
-                f"r3.enabled: {what} is dense (no experts, no routing to replay); set r3.enabled=false"
-            )
 
 
 def check_adapter(key: str, adapter: str | Path | None, problems: list[str]) -> None:

@@ -118,7 +118,9 @@ class LoraConfig:
         "that has it; a name the model lacks is an error.",
     )
     target_experts: bool = _f(
-        True, "Adapters on every routed expert's fused projections (gate_up_proj and down_proj)."
+        True,
+        "Adapters on every routed expert's fused projections (gate_up_proj and down_proj); a dense model has "
+        "none (nothing to target).",
     )
     target_latent: bool = _f(False, "Adapters on the latent MoE pooler and unpooler (Muse Spark Open).")
     extra: str = _f(

@@ -16,6 +16,7 @@ from peft import get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from rl.core.model_info import is_moe
 from trainer.config import LoraConfig
 from trainer.lora_experts import use_grouped_expert_lora
 
@@ -72,7 +73,8 @@ def lora_config(model: nn.Module, lora: LoraConfig, init_lora_weights: bool = Tr
         # Full names: PEFT matches a listed name as the whole module name or its last components.
         modules += [m for m in _extra_modules(model, lora.extra) if m not in modules]
     params = expert_parameter_targets(model) if lora.target_experts else []
-    if lora.target_experts and not params:
+    # A dense model has no experts to target (nothing to do); a MoE model whose experts are not found is an error.
+    if lora.target_experts and not params and is_moe(model.config.to_dict()):
         raise ValueError(
             f"lora.target_experts: true, but {type(model).__name__} has no fused expert parameters"
         )

@@ -48,9 +48,7 @@ def dense_run(tmp_path_factory, node_cluster, tiny_dense_path, small_demo_config
         [
             "model.make_tiny.arch=dense",
             "model.make_tiny.sft=",
-            "sync.mode=adapter",
-            "r3.enabled=false",
-            "lora.target_experts=false",
+            "sync.mode=adapter",  # r3.enabled and lora.target_experts as by default: nothing to act on
             "trainer.total_steps=200",
             "trainer.checkpoint_every=0",  # the checkpoint at step 2 is SIGTERM's
             "eval.every=0",  # no evaluation: not at start, not at the end, and its data is never read

@@ -295,6 +295,10 @@ def test_chunked_head_holds_one_chunk_of_logits(small_cfg):
     chunked = P.make_plan(small_cfg("trainer.logits_chunk_tokens=256"), gpu_gib=140)
     assert (whole.logits_tokens, chunked.logits_tokens) == (1024, 256)
     assert whole.t_logits == 1024 * 100 * (2 + 4 + 4) and chunked.t_logits == 256 * 100 * (2 + 4 + 4)
+    # a top-p nucleus: the trainer sorts each chunk's vocabulary (trainer/logprobs.py)
+    nucleus = P.make_plan(small_cfg("trainer.logits_chunk_tokens=256", "rollout.top_p=0.9"), gpu_gib=140)
+    assert nucleus.t_logits == 256 * 100 * (2 + 4 + 4 + 12)
+    assert nucleus.t_activations - chunked.t_activations == nucleus.t_logits - chunked.t_logits
     assert whole.t_activations - chunked.t_activations == whole.t_logits - chunked.t_logits
     # a chunk longer than the micro-batch is the micro-batch
     assert P.make_plan(small_cfg("trainer.logits_chunk_tokens=8192"), gpu_gib=140).logits_tokens == 1024

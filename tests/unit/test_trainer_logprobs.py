@@ -170,3 +170,25 @@ def test_a_target_just_outside_the_trainers_nucleus_keeps_a_finite_logprob():
     (edge,), _ = head_logprobs(head, logits, torch.tensor([1]), 0, False, top_p=top_p)
     assert inside == 0.0  # the whole nucleus
     assert torch.isfinite(edge) and -1.5 < edge < -1.0  # log(e^3 / (e^4 + e^3))
+
+
+def test_the_nucleus_adds_the_planners_12_bytes_a_logit_at_peak():
+    """rl/plan.py counts a top-p nucleus as 12 bytes a logit of a chunk over the plain head's peak."""
+    from rl.plan import _logits_bytes
+
+    torch.manual_seed(0)
+    tokens, width, vocab, chunk = 1024, 64, 32768, 256
+    head = torch.nn.Linear(width, vocab, bias=False).requires_grad_(False)
+    hidden = torch.randn(1, tokens, width, requires_grad=True)
+    targets = torch.randint(0, vocab, (1, tokens))
+
+    def peak(top_p):
+        hidden.grad = None
+        with PeakBytes() as mem:
+            logp, _ = head_logprobs(head, hidden, targets, chunk, with_entropy=True, top_p=top_p)
+            logp.sum().backward()
+        return mem.peak
+
+    extra = peak(0.9) - peak(1.0)
+    planned = _logits_bytes(chunk, vocab, 4, nucleus=True) - _logits_bytes(chunk, vocab, 4)
+    assert 0.9 * planned <= extra <= 1.05 * planned, (extra, planned)
