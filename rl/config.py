@@ -909,6 +909,14 @@ def validate(cfg: SparkConfig) -> list[tuple[str, str]]:
         "required value is missing "
         "(a Hugging Face id or checkpoint directory), unless model.make_tiny.arch is set",
     )
+    tiny = cfg.model.make_tiny.arch
+    for key in ("path", "rollout_path"):
+        need(
+            not (tiny and getattr(cfg.model, key)),
+            f"model.{key}",
+            f"model.make_tiny.arch={tiny} builds the policy, so model.{key} would be ignored; set "
+            f"model.make_tiny.arch= (empty) to train model.{key}, or drop model.{key}",
+        )
     need(
         ro.n != 1, "rollout.n", f"{al.adv_estimator} compares samples within a group: need at least 2, got 1"
     )

@@ -66,11 +66,24 @@ def watched(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """Every step record of a run, in order."""
+    """Every step record of a run, in order. A last line cut short (no newline: the process died inside
+    its write) is no record and is left out; any other line that is not JSON is an error naming the line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # after the last newline: a torn append
+                break
+            raise ValueError(f"{path}, line {number}: not a JSON record ({e.msg})") from None
+    return records
 
 
 def _finite(v):

@@ -212,10 +212,14 @@ def _build_into(target: Path, arch: str, seed: int, sft: str | None) -> None:
         report = tiny_sft.train(model, tokenizer, seed=seed)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if report is not None:
-        (tmp / "sft_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if report is not None:
+            (tmp / "sft_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     # A concurrent builder may have finished first: both built the same bytes, keep theirs.
     try:
         os.rename(tmp, target)
@@ -224,16 +228,21 @@ def _build_into(target: Path, arch: str, seed: int, sft: str | None) -> None:
 
 
 def copy_model(src: Path, dst: str | Path) -> Path:
-    """Copies the model directory `src` to `dst` through a temporary sibling and a rename; returns `dst`."""
+    """Copies the model directory `src` to `dst` (absent, or an empty directory) through a temporary sibling
+    and a rename; returns `dst`. Anything already at `dst`, a model included, is the user's: never replaced."""
     dst = Path(dst)
-    if dst.exists() and not (dst / "config.json").exists() and any(dst.iterdir()):
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise FileExistsError(
-            f"make-tiny: --out {dst} exists and is not a model directory; not overwriting it"
+            f"make-tiny: --out {dst} exists; not overwriting it (remove it or choose another)"
         )
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=dst.parent))
-    shutil.copytree(src, tmp, dirs_exist_ok=True)
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.rename(tmp, dst)
+    try:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        if dst.exists():
+            dst.rmdir()  # empty (checked above)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return dst

@@ -282,6 +282,16 @@ def test_warmup_counts_optimizer_steps_and_dropout_needs_no_expert_targets(tmp_p
     assert validate(load_config(recipe(tmp_path), ["lora.dropout=0.1", "lora.target_experts=false"])) == []
 
 
+def test_a_model_path_beside_a_tiny_model_is_refused_not_ignored():
+    # the demo recipe builds its tiny model; a model.path given on top of it would be silently unused
+    msg = error("demo_cpu", ["model.path=Qwen/Qwen3-30B-A3B"])
+    assert (
+        "model.path: model.make_tiny.arch=qwen3_moe builds the policy, so model.path would be ignored; set "
+        "model.make_tiny.arch= (empty) to train model.path, or drop model.path"
+    ) in msg
+    assert load_config("demo_cpu", ["model.path=Qwen/Qwen3-30B-A3B", "model.make_tiny.arch="]).model.path
+
+
 def test_interpolation_error_names_the_key(tmp_path):
     assert error(recipe(tmp_path), ["rollout.seed=${run.nope}"]) == (
         "override 'rollout.seed=${run.nope}': rollout.seed: Interpolation key 'run.nope' not found"

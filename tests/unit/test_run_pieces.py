@@ -83,6 +83,29 @@ def test_metrics_jsonl_drops_steps_after_the_resume_point(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["reward/mean"] == 0.9
 
 
+def test_a_record_cut_short_by_a_crash_does_not_stop_the_resume_or_the_report(tmp_path):
+    """The driver died inside a metrics write: the torn last line is no record; the resume rewrites the
+    file without it, and a line broken anywhere else is an error naming the file and the line."""
+    log = MetricsLogger(tmp_path, total_steps=4, tensorboard=False)
+    for step in (1, 2):
+        log.log(step, {"reward/mean": step / 10})
+    log.close()
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "a") as fh:
+        fh.write('{"step": 3, "reward/me')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    log = MetricsLogger(tmp_path, total_steps=4, start_step=2, tensorboard=False)
+    log.log(3, {"reward/mean": 0.3})
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert path.read_text().endswith("\n") and '"reward/me\n' not in path.read_text()
+
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], lines[1][:-5], lines[2]]) + "\n")
+    with pytest.raises(ValueError, match=rf"{path}, line 2: not a JSON record"):
+        read_metrics(tmp_path)
+
+
 def test_a_relative_model_directory_reaches_the_workers_absolute(tmp_path, monkeypatch):
     """Workers on other nodes run in their raylet's working directory: a local model.path goes to them
     absolute, a hub id as written."""

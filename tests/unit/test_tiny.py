@@ -115,13 +115,21 @@ def test_two_processes_asking_for_one_uncached_model_build_it_once(tmp_path):
     assert len(log.read_text().split()) == 1  # the second waited for the first's build and took it
 
 
-def test_out_refuses_to_overwrite_a_directory_that_is_not_a_model(tmp_path, monkeypatch):
+def test_out_refuses_to_overwrite_an_existing_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "cache"))
     precious = tmp_path / "notes"
     precious.mkdir()
     (precious / "thesis.txt").write_text("keep me")
     assert main(["make-tiny", "--arch", "dense", "--out", str(precious)]) == 2
     assert (precious / "thesis.txt").read_text() == "keep me"
+    # a model directory (a real checkpoint at a mistyped --out) is kept as well
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    assert main(["make-tiny", "--arch", "dense", "--out", str(model)]) == 2
+    assert (model / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("model.")) == []  # no temporaries
 
 
 def test_unknown_arch_is_a_clear_error():
