@@ -230,7 +230,11 @@ class DataConfig:
     train_batch_size: int = _f(32, "Prompts per step.", ge=1)
     shuffle: bool = _f(True, "Shuffle the training prompts each epoch.")
     seed: int = _f("${run.seed}", "Shuffling seed.")
-    prompt_key: str = _f("prompt", "Column holding the chat messages.")
+    prompt_key: str = _f(
+        "prompt",
+        "Column of a file's or hub dataset's chat messages (verl's schema: `prompt`; a synthetic task makes "
+        "its own).",
+    )
     chat_template_kwargs: dict[str, Any] = _f(
         {}, "Extra arguments to the tokenizer's chat template (e.g. `{enable_thinking: false}` for Qwen3)."
     )

@@ -292,7 +292,9 @@ def _no_answer(url: str, timeout_s: float) -> str | None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def check_data(key: str, spec: str, problems: list[str], hub: Hub | None = None, text_answers=True):
+def check_data(
+    key: str, spec: str, problems: list[str], hub: Hub | None = None, text_answers=True, prompt_key="prompt"
+):
     """Local files and the synthetic task are loaded with the run's own reader (rl.data.sources: parse,
     schema, columns, every bad cell); a hub dataset must be in the local datasets cache or the hub must
     answer (the run then downloads it). text_answers: which rows need a text ground truth (a data source's
@@ -313,7 +315,7 @@ def check_data(key: str, spec: str, problems: list[str], hub: Hub | None = None,
             _check_hub_dataset(key, repo_id, config, split, problems, hub or Hub())
         return
     try:
-        return load_source(spec, text_answers=text_answers)
+        return load_source(spec, text_answers=text_answers, prompt_key=prompt_key)
     except DataError as e:
         problems.extend(f"{key}: {line}" for line in str(e).splitlines())
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -399,14 +401,14 @@ def preflight(
     text = RewardSpec.of_config(cfg.reward).needs_text
     rows = None
     if train:
-        source = check_data("data.train", cfg.data.train, problems, hub, text)
+        source = check_data("data.train", cfg.data.train, problems, hub, text, cfg.data.prompt_key)
         rows = source.dataset if source is not None else None
         problems += tracker_problems(cfg.logging)  # a tracker turned on whose package is missing
         problems += algorithm_problems(cfg)
     if evaluate is None:
         evaluate = cfg.eval.every > 0
     if evaluate and cfg.eval.data:
-        source = check_data("eval.data", cfg.eval.data, problems, hub, text)
+        source = check_data("eval.data", cfg.eval.data, problems, hub, text, cfg.data.prompt_key)
         if rows is None and source is not None:
             rows = source.dataset
     problems += reward_problems(cfg, rows)
@@ -484,7 +486,7 @@ def env_problems(cfg: SparkConfig, dataset=None) -> list[str]:
     env_row = {
         "data_source": row["data_source"],
         "ground_truth": row["reward_model"]["ground_truth"],
-        "extra_info": reward_extra_info(row, cfg.data.prompt_key),
+        "extra_info": reward_extra_info(row),
         "index": 0,
     }
     _, why = _call_with_deadline(functools.partial(cls, env_row, **ro.env_kwargs), PREFLIGHT_CALL_S)
@@ -527,7 +529,7 @@ def reward_problems(cfg: SparkConfig, dataset=None) -> list[str]:
         if not sources:
             continue
         row = first[sources[0]]
-        gt, extra = row["reward_model"]["ground_truth"], reward_extra_info(row, cfg.data.prompt_key)
+        gt, extra = row["reward_model"]["ground_truth"], reward_extra_info(row)
         if spec.batched:
             args = {"data_sources": [row["data_source"]], "solution_strs": [""]}
             args |= {"ground_truths": [gt], "extra_infos": [extra]}

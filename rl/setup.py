@@ -72,12 +72,13 @@ def load_prompts_for(cfg: SparkConfig, spec: str, tokenizer, split: str, rows: i
             "ops": a.ops,
         }
         options = {k: v for k, v in defaults.items() if k not in query}
-    source = load_source(spec, text_answers=reward_spec(cfg).needs_text, **options)
+    source = load_source(
+        spec, text_answers=reward_spec(cfg).needs_text, prompt_key=cfg.data.prompt_key, **options
+    )
     prompts, dropped = tokenize_prompts(
         source.dataset,
         tokenizer,
         cfg.rollout.max_prompt_len,
-        cfg.data.prompt_key,
         dict(cfg.data.chat_template_kwargs),
         env_tools(cfg),
     )

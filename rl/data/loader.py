@@ -32,11 +32,11 @@ class Prompt:
         return gt if isinstance(gt, str) else json.dumps(gt, ensure_ascii=False, default=str)
 
 
-def reward_extra_info(row: dict, prompt_key: str = "prompt") -> dict:
+def reward_extra_info(row: dict) -> dict:
     """What a reward function of the user's own gets as `extra_info`: the row's, plus its chat messages under
     "prompt" (unless the row's extra_info has that key)."""
     extra = dict(row.get("extra_info") or {})
-    extra.setdefault("prompt", row[prompt_key])
+    extra.setdefault("prompt", row["prompt"])
     return extra
 
 
@@ -62,17 +62,12 @@ def tokenize_prompts(
     dataset,
     tokenizer,
     max_prompt_len: int,
-    prompt_key: str = "prompt",
     chat_template_kwargs: dict | None = None,
     tools: list[dict] | None = None,
 ) -> tuple[list[Prompt], int]:
-    """(prompts that fit, number dropped for length) from a verl-schema dataset. `tools`: the tool schemas
-    every prompt is rendered with (an environment's `tools`); a row's own `tools` column takes precedence."""
-    if prompt_key not in dataset.column_names:
-        raise ValueError(
-            f"data.prompt_key: column {prompt_key!r} is not in the dataset (columns: "
-            f"{', '.join(dataset.column_names)})"
-        )
+    """(prompts that fit, number dropped for length) from a verl-schema dataset (rl.data.sources: its chat
+    messages in `prompt`, data.prompt_key's column renamed). `tools`: the tool schemas every prompt is
+    rendered with (an environment's `tools`); a row's own `tools` column (checked at load) takes precedence."""
     has_tools = "tools" in dataset.column_names
     kept, dropped = [], 0
     for i, row in enumerate(dataset):
@@ -81,14 +76,14 @@ def tokenize_prompts(
         if row_tools or tools:
             kwargs["tools"] = row_tools or tools
         ids = tokenizer.apply_chat_template(
-            row[prompt_key], add_generation_prompt=True, tokenize=True, **kwargs
+            row["prompt"], add_generation_prompt=True, tokenize=True, **kwargs
         )
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         if len(ids) > max_prompt_len:
             dropped += 1
             continue
-        extra = reward_extra_info(row, prompt_key)
+        extra = reward_extra_info(row)
         kept.append(Prompt(list(ids), row["data_source"], row["reward_model"]["ground_truth"], i, extra))
     if not kept:
         raise ValueError(

@@ -50,6 +50,7 @@ import pyarrow.parquet as pq
 from datasets.table import InMemoryTable
 
 from rl.data import arith
+from rl.data.loader import tool_schemas
 from rl.data.problems import Part, Problems, RowNames, json_lines_problems
 from rl.data.prompts import dapo_prompt
 
@@ -94,8 +95,13 @@ def load_prompts(spec: str, **options: Any) -> datasets.Dataset:
     return load_source(spec, **options).dataset
 
 
-def load_source(spec: str, text_answers: bool | Callable[[str], bool] = True, **options: Any) -> PromptSource:
+def load_source(
+    spec: str, text_answers: bool | Callable[[str], bool] = True, prompt_key: str = "prompt", **options: Any
+) -> PromptSource:
     """Like `load_prompts`, plus the origin, the detected schema and the dedup count.
+
+    prompt_key (data.prompt_key): the column of a file's or hub dataset's chat messages, read as the verl
+    schema's `prompt` (a synthetic task makes its own).
 
     text_answers: whether the rows of a data source need `reward_model.ground_truth` as text (the math
     checkers do): True for every row, or a function of the row's data_source. Those rows' answers are
@@ -122,7 +128,26 @@ def load_source(spec: str, text_answers: bool | Callable[[str], bool] = True, **
         raise FileNotFoundError(
             f"prompt source {spec!r}: no such file or directory, and {location!r} is not a hub id (owner/name)"
         )
-    return _to_verl(table, origin, default_source, opts, rows, text_answers)
+    return _to_verl(
+        _prompt_column(table, origin, prompt_key), origin, default_source, opts, rows, text_answers
+    )
+
+
+def _prompt_column(table: pa.Table, origin: str, prompt_key: str) -> pa.Table:
+    """The table with its `prompt_key` column named `prompt`, the verl schema's name."""
+    columns = table.column_names
+    if prompt_key == "prompt":
+        return table
+    if prompt_key not in columns:
+        raise ValueError(
+            f"{origin}: no column {prompt_key!r} (data.prompt_key: the chat messages); the columns are {columns}"
+        )
+    if "prompt" in columns:
+        raise ValueError(
+            f"{origin}: data.prompt_key={prompt_key!r}, but the dataset also has a 'prompt' column; drop or "
+            "rename one of them"
+        )
+    return table.rename_columns(["prompt" if c == prompt_key else c for c in columns])
 
 
 def hub_dataset(location: str) -> str | None:
@@ -368,6 +393,10 @@ def _check_messages(col: pa.ChunkedArray, problems: Problems) -> None:
         problems.cells(
             rows, "prompt", "a message that is null or has no role or content; expected {role, content}"
         )
+    lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)  # nan where null (reported above)
+    empty = np.flatnonzero(lengths == 0)
+    if len(empty):
+        problems.cells(empty, "prompt", "no messages; expected chat messages (a list of {role, content})")
 
 
 def _check_problem_column(col: pa.ChunkedArray, column: str, problems: Problems) -> bool:
@@ -521,6 +550,23 @@ def _normalise_verl(
         else:
             _check_nulls(
                 table["data_source"], rows, "data_source", problems, "a string (or data_source= in the spec)"
+            )
+    if "extra_info" in table.column_names:
+        t = table["extra_info"].type
+        if not (pa.types.is_struct(t) or pa.types.is_map(t) or pa.types.is_null(t)):
+            problems.column("extra_info", f"holds {t}; expected an object a row (or null)")
+    if "tools" in table.column_names:
+        bad = []
+        for i, cell in enumerate(table["tools"].to_pylist()):
+            try:
+                tool_schemas(cell, "")
+            except ValueError:
+                bad.append(i)
+        if bad:
+            problems.cells(
+                rows[bad],
+                "tools",
+                "expected a list of tool schemas (JSON objects), or its JSON text, or null",
             )
     problems.raise_if_any()
     if isinstance(ground_truth, pa.ChunkedArray):

@@ -455,3 +455,52 @@ def test_jsonl_that_pyarrow_cannot_read_lists_every_bad_record(tmp_path):
         f"{path}: row 5 (line 6): column 'Problem': an object, but row 1 holds a string; a column holds one type "
         "(store answers as strings)",
     ]
+
+
+def _verl_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _row(i: int, **extra) -> dict:
+    return {
+        "prompt": [{"role": "user", "content": f"q{i}"}],
+        "reward_model": {"ground_truth": str(i)},
+        **extra,
+    }
+
+
+def test_prompt_key_names_the_message_column_and_a_missing_one_names_the_file(tmp_path):
+    rows = [{"messages": r.pop("prompt"), **r} for r in (_row(1), _row(2))]
+    path = _verl_jsonl(tmp_path / "chat.jsonl", rows)
+    src = load_source(str(path), prompt_key="messages")
+    assert src.schema == "verl" and [p[0]["content"] for p in src.dataset["prompt"]] == ["q1", "q2"]
+    with pytest.raises(ValueError, match=rf"{path}: no column 'conversation' \(data.prompt_key"):
+        load_source(str(path), prompt_key="conversation")
+    both = _verl_jsonl(tmp_path / "both.jsonl", [{**_row(1), "messages": []}])
+    with pytest.raises(ValueError, match="data.prompt_key='messages', but the dataset also has a 'prompt'"):
+        load_source(str(both), prompt_key="messages")
+
+
+def test_empty_prompts_lists_as_extra_info_and_bad_tools_name_their_rows(tmp_path):
+    rows = [
+        _row(1),
+        _row(2),
+        {**_row(3), "prompt": []},
+        _row(4, tools='[{"type": "function"'),  # text that is not JSON
+        _row(5, tools='[{"type": "function", "function": {"name": "f"}}]'),
+    ]
+    path = _verl_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        load_prompts(str(path))
+    assert e.value.lines == [
+        f"{path}: row 3: column 'prompt': no messages; expected chat messages (a list of {{role, content}})",
+        f"{path}: row 4: column 'tools': expected a list of tool schemas (JSON objects), or its JSON text, "
+        "or null",
+    ]
+    listed = _verl_jsonl(tmp_path / "extra.jsonl", [_row(1), _row(2), _row(3, extra_info=[1, 2])])
+    with pytest.raises(DataError) as e:
+        load_prompts(str(listed))
+    assert e.value.lines == [
+        f"{listed}: column 'extra_info': holds list<item: int64>; expected an object a row (or null)"
+    ]
