@@ -107,13 +107,24 @@ def run_eval(cfg: SparkConfig, adapter: Path | None, tag: str = "manual") -> dic
                 "failed to score; no metrics written"
             )
         records = records_from_samples(samples, responses)
-        path = write_records(run_dir(cfg) / "eval" / f"eval_{tag}.jsonl", records)
+        path = write_records(unused_path(run_dir(cfg) / "eval" / f"eval_{tag}.jsonl"), records)
         metrics = eval_metrics(records, k=cfg.eval.k)
     finally:
         pool.shutdown()
         if owns_ray:
             ray.shutdown()
     return {"metrics": metrics, "records": str(path)}
+
+
+def unused_path(path: Path) -> Path:
+    """`path`, or where it exists `NAME.2.jsonl`, `NAME.3.jsonl`, ...: an earlier evaluation's records (of
+    other eval.* settings, say) are never replaced."""
+    n = 1
+    candidate = path
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}.{n}{path.suffix}")
+    return candidate
 
 
 def register(sub) -> None:

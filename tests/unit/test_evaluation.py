@@ -180,3 +180,16 @@ def test_records_from_samples_number_samples_within_groups():
     unscored.acc = None
     with pytest.raises(ValueError, match=r"sample 0 \(group 2\) has no reward; score it first"):
         records_from_samples([unscored], ["x"])
+
+
+def test_a_second_evaluation_of_a_checkpoint_keeps_the_first_ones_records(tmp_path):
+    from rl.eval_run import unused_path
+
+    path = tmp_path / "eval" / "eval_step_2.jsonl"
+    assert unused_path(path) == path
+    path.parent.mkdir()
+    path.write_text("first\n")
+    second = unused_path(path)
+    assert second.name == "eval_step_2.2.jsonl"
+    second.write_text("second\n")
+    assert unused_path(path).name == "eval_step_2.3.jsonl" and path.read_text() == "first\n"
