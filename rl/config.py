@@ -692,6 +692,13 @@ def find_recipe(recipe: str | Path) -> Path:
     """A recipe file, a run directory (its config.yaml), or the name of a shipped recipe ('demo_cpu')."""
     path = Path(recipe)
     if path.is_dir():
+        if not (path / "config.yaml").is_file():
+            raise ConfigError(
+                [
+                    f"{recipe}: a directory without config.yaml: not a run directory (expected a recipe file, a run "
+                    "directory or a shipped recipe name)"
+                ]
+            )
         path = path / "config.yaml"
     if path.is_file():
         return path

@@ -224,6 +224,10 @@ def test_recipe_that_is_not_a_mapping(tmp_path):
     )
 
 
+def test_a_directory_that_is_not_a_run_is_named_so(tmp_path):
+    assert "a directory without config.yaml: not a run directory" in error(tmp_path)
+
+
 def test_missing_recipe_file(tmp_path):
     assert "no such recipe file" in error(tmp_path / "nope.yaml")
 
