@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -127,9 +128,11 @@ def make_plots(runs: list[dict], out: Path) -> list[Path]:
 
     def save(fig, name):
         path = out / f"{name}.png"
+        tmp = out / f".{name}.png.tmp"  # renamed into place: an earlier report's plot is never half replaced
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
+        os.replace(tmp, path)
         written.append(path)
 
     for name, key, title, log in PLOTS:

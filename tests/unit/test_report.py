@@ -94,7 +94,8 @@ def _legends(monkeypatch) -> dict[str, list[str]]:
 
     def savefig(fig, path, *args, **kwargs):
         legend = fig.axes[0].get_legend()
-        seen[Path(path).name] = [t.get_text() for t in legend.get_texts()] if legend else []
+        name = Path(path).name.removeprefix(".").removesuffix(".tmp")  # written aside, then renamed
+        seen[name] = [t.get_text() for t in legend.get_texts()] if legend else []
         return real(fig, path, *args, **kwargs)
 
     monkeypatch.setattr(Figure, "savefig", savefig)
