@@ -214,11 +214,16 @@ def _read_file(path: Path) -> pa.Table:
         if path.suffix in (".jsonl", ".json"):
             return pa_json.read_json(path)
     except pa.ArrowInvalid as e:
+        if path.suffix == ".parquet":
+            raise ValueError(
+                f"{path}: cannot read it as parquet ({'empty file' if not path.stat().st_size else e})"
+            ) from e
+        if not path.read_text().strip():
+            raise ValueError(f"{path}: the file is empty (expected one JSON object per line)") from e
         hint = "JSON files must hold one object per line, each column one type; store answers as strings"
-        if path.suffix != ".parquet":
-            problems = Problems(str(path), RowNames.of_file(path))
-            json_lines_problems(path, problems)
-            problems.raise_if_any(f"cannot read it as {path.suffix[1:]}: {hint}")
+        problems = Problems(str(path), RowNames.of_file(path))
+        json_lines_problems(path, problems)
+        problems.raise_if_any(f"cannot read it as {path.suffix[1:]}: {hint}")
         raise ValueError(f"{path}: cannot read it as {path.suffix[1:]}: {e} ({hint})") from e
     raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected one of {list(_FILE_SUFFIXES)}")
 

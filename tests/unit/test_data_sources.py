@@ -239,8 +239,13 @@ def test_empty_dataset_is_an_error(tmp_path):
     with pytest.raises(ValueError, match=r"empty\.parquet: the dataset is empty"):
         load_prompts(path)
     (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(ValueError, match=r"empty\.jsonl"):
+    with pytest.raises(
+        ValueError, match=r"empty\.jsonl: the file is empty \(expected one JSON object per line\)"
+    ):
         load_prompts(str(tmp_path / "empty.jsonl"))
+    (tmp_path / "zero.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"zero\.parquet: cannot read it as parquet \(empty file\)$"):
+        load_prompts(str(tmp_path / "zero.parquet"))
 
 
 def test_integral_float_answers_are_converted(tmp_path):
