@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 # Keys a resumed run may change: the schedule's length, and where the run directory now is.
@@ -96,7 +97,10 @@ def print_summary(s: dict) -> None:
     which = {0: "no step", 1: f"step {s['steps']}"}.get(ran, f"steps {s['first_step']}-{s['steps']}")
     if s.get("stopped_by"):
         head = f"stopped at step {s['steps']} of {s['total_steps']} by {s['stopped_by']} (checkpoint written)"
-        tail = f"; continue with `sparkrl train {s['run_dir']} --resume`"
+        from rl.submit import SUBMITTED_ENV
+
+        command = "submit" if os.environ.get(SUBMITTED_ENV) else "train"  # a Ray job resumes as a job
+        tail = f"; continue with `sparkrl {command} {s['run_dir']} --resume`"
     else:
         head, tail = f"done: {s['steps']} of {s['total_steps']} steps", ""
     parts = [f"{head}: {ran} this run ({which}) in {s['seconds'] / 60:.1f} min{tail}"]

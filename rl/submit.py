@@ -14,8 +14,9 @@ What the job gets:
 - The run directory: the job runs inside Ray's unpacked copy of the project, so a relative `run.dir`
   would land there and vanish with the session. `run.dir` is therefore made absolute: `<cwd>/runs/<name>`
   as a local run would use, or `--runs-root DIR/<name>`. The head node must see that path (true on a
-  local cluster or a shared filesystem). Local files the config names (model and data paths) that the
-  upload leaves out are made absolute likewise.
+  local cluster or a shared filesystem). Local files the config names (model and data paths, the files of
+  import paths) are named as the job finds them: relative to its working directory where the upload carries
+  them (Ray's walk decides, .gitignore included), else absolute, with a note that the cluster must see them.
 - Environment: only PYTHONUNBUFFERED and what `--env` names. Cluster-wide settings (NCCL, vLLM, HF
   caches) belong in the node environment set by launch/head.sh and launch/worker.sh; secrets should stay
   there too, since a job's runtime env is shown on the dashboard.
@@ -30,16 +31,18 @@ import argparse
 import asyncio
 import contextlib
 import fnmatch
+import logging
 import os
 import re
 import secrets
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl.config import ConfigError, find_recipe
+from rl.config import CODE_KEYS, ConfigError, find_recipe
+from rl.core import user_code
 
 # The checkout this code runs from: what gets uploaded (None for a non-editable install).
 _CHECKOUT = Path(__file__).resolve().parent.parent
@@ -72,6 +75,7 @@ AGENT_WAIT_S = 120.0
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # Config keys that may name a local file or directory (data specs may carry a ?query).
 PATH_KEYS = ("model.path", "model.rollout_path", "data.train", "eval.data")
+SUBMITTED_ENV = "SPARKRL_SUBMITTED"  # set in a submitted job's environment
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|API_KEY|CREDENTIAL", re.I)
 
 
@@ -80,6 +84,7 @@ class TrainCommand:
     argv: list[str]  # python -m rl train RECIPE overrides... run.dir=<abs>
     run_dir: Path
     run_name: str
+    notes: list[str] = field(default_factory=list)  # local paths the job reads where they are (not uploaded)
 
 
 @dataclass
@@ -164,21 +169,59 @@ def parse_env(items: list[str] | None) -> dict[str, str]:
 
 
 def runtime_env(working_dir: Path | None = PROJECT_ROOT, env: dict[str, str] | None = None) -> dict:
-    renv: dict = {"env_vars": {"PYTHONUNBUFFERED": "1", **(env or {})}}  # logs stream as they are written
+    # PYTHONUNBUFFERED: logs stream as they are written; SUBMITTED_ENV: the run's own advice says to resume
+    # it as a job
+    renv: dict = {"env_vars": {"PYTHONUNBUFFERED": "1", SUBMITTED_ENV: "1", **(env or {})}}
     if working_dir is not None:
         renv.update(working_dir=str(working_dir), excludes=list(EXCLUDES))
     return renv
 
 
-def is_uploaded(path: Path, working_dir: Path | None = PROJECT_ROOT) -> bool:
-    """Whether `path` (absolute) travels with the job's working dir."""
+def uploaded_files(working_dir: Path) -> frozenset[Path] | None:
+    """The files (resolved) Ray's upload of `working_dir` carries, found by the walk the upload itself makes:
+    EXCLUDES and, as the Job SDK does unless RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1, every `.gitignore` and
+    `.rayignore` on the way (ray._private.runtime_env.packaging; private: None where it is missing, and
+    EXCLUDES alone decide)."""
+    try:
+        from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+    except ImportError:
+        return None
+    root = working_dir.resolve()
+    include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
+    files: set[Path] = set()
+    quiet = logging.getLogger(
+        "sparkrl.submit.upload_walk"
+    )  # Ray logs each ignore file it reads: not ours to show
+    quiet.setLevel(logging.ERROR)
+    _dir_travel(
+        root,
+        [_get_excludes(root, EXCLUDES)],
+        lambda p: files.add(p.resolve()) if p.is_file() else None,
+        include_gitignore=include_gitignore,
+        logger=quiet,
+    )
+    return frozenset(files)
+
+
+def is_uploaded(
+    path: Path, working_dir: Path | None = PROJECT_ROOT, files: frozenset[Path] | None = None
+) -> bool:
+    """Whether `path` (a file, or a directory with every file in it) travels with the job's working dir.
+    files: `uploaded_files(working_dir)`, when already walked."""
     if working_dir is None:
         return False
+    path = path.resolve()
     try:
-        rel = path.resolve().relative_to(working_dir.resolve())
+        rel = path.relative_to(working_dir.resolve())
     except ValueError:
         return False
-    return not any(fnmatch.fnmatch(part, pat) for part in rel.parts for pat in EXCLUDES)
+    files = files if files is not None else uploaded_files(working_dir)
+    if files is None:
+        return not any(fnmatch.fnmatch(part, pat) for part in rel.parts for pat in EXCLUDES)
+    if path.is_dir():
+        inside = [f.resolve() for f in path.rglob("*") if f.is_file()]
+        return bool(inside) and all(f in files for f in inside)
+    return path in files
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -192,21 +235,60 @@ def _job_run_dir(cfg, runs_root: str | Path | None) -> Path:
     return (Path(runs_root) if runs_root else Path("runs")).absolute() / cfg.run.name
 
 
-def _local_path_overrides(cfg, working_dir: Path | None) -> list[str]:
-    """`key=/abs/path` for config paths that exist here, relative to this directory, but that the job
-    (whose working directory is the uploaded copy) would not find under the same relative name."""
-    same_cwd = working_dir is not None and Path.cwd().resolve() == working_dir.resolve()
+def _code_values(cfg) -> list[tuple[str, str]]:
+    """(override key, value) of every CODE_KEYS setting; reward.by_source one a data source."""
     out = []
-    for key in PATH_KEYS:
+    for key in CODE_KEYS:
         section, leaf = key.split(".")
         value = getattr(getattr(cfg, section), leaf)
-        path, sep, query = value.partition("?")
-        if not path or Path(path).is_absolute() or not Path(path).exists():
-            continue
-        if same_cwd and is_uploaded(Path(path).absolute(), working_dir):
-            continue
-        out.append(f"{key}={Path(path).absolute()}{sep}{query}")
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        out += [(key if sub is None else f"{key}.{sub}", v) for sub, v in items]
     return out
+
+
+def _mlflow_uri(uri: str) -> str | None:
+    """A tracking URI of a relative local path (sqlite:///mlflow.db, file:mlruns, a bare directory) made
+    absolute here; None for a server or an absolute path."""
+    for scheme in ("sqlite:///", "file:"):
+        if uri.startswith(scheme):
+            rest = uri[len(scheme) :]
+            return None if rest.startswith("/") else f"{scheme}{Path(rest).absolute()}"
+    return None if "://" in uri or Path(uri).is_absolute() else str(Path(uri).absolute())
+
+
+def _job_paths(cfg, working_dir: Path | None) -> tuple[list[str], list[str]]:
+    """(overrides, notes): every local file or directory the config names (PATH_KEYS, the files of CODE_KEYS'
+    import paths), named as the job finds it: relative to the job's working directory (the upload's root,
+    where the job runs) when the upload carries it, else absolute, with a note that the cluster must see that
+    path (a local cluster, or a shared filesystem). A relative MLflow store is made absolute (the upload's
+    copy is gone after the job)."""
+    files = uploaded_files(working_dir) if working_dir is not None else None
+    overrides, notes = [], []
+
+    def job_name(key: str, local: Path) -> str:
+        local = local.expanduser().resolve()
+        if is_uploaded(local, working_dir, files):
+            return local.relative_to(working_dir.resolve()).as_posix()
+        notes.append(
+            f"{key}: {local} is not in the upload (outside {working_dir}, or left out by its .gitignore or "
+            "the excludes); the job reads it at that path, which the cluster's nodes must see"
+        )
+        return str(local)
+
+    for key in PATH_KEYS:
+        section, leaf = key.split(".")
+        path, sep, query = getattr(getattr(cfg, section), leaf).partition("?")
+        if path and Path(path).expanduser().exists():
+            overrides.append(f"{key}={job_name(key, Path(path))}{sep}{query}")
+    for key, value in _code_values(cfg):
+        if user_code.is_import_path(value) and user_code.problem(value) is None:
+            target, name = user_code.split(value)
+            if user_code.is_file(target):
+                overrides.append(f"{key}={job_name(key, Path(target))}:{name}")
+    uri = cfg.logging.mlflow_tracking_uri and _mlflow_uri(cfg.logging.mlflow_tracking_uri)
+    if uri:
+        overrides.append(f"logging.mlflow_tracking_uri={uri}")
+    return overrides, notes
 
 
 def train_command(
@@ -230,9 +312,9 @@ def train_command(
     else:
         recipe_arg = str(path.absolute())  # the cluster must see this path (shared filesystem)
     rdir = _job_run_dir(cfg, runs_root)
-    extra = _local_path_overrides(cfg, working_dir) + [f"run.dir={rdir}"]
-    argv = [python, "-m", "rl", "train", recipe_arg, *overrides, *extra]
-    return TrainCommand(argv + (["--resume"] if resume else []), rdir, cfg.run.name)
+    paths, notes = _job_paths(cfg, working_dir)
+    argv = [python, "-m", "rl", "train", recipe_arg, *overrides, *paths, f"run.dir={rdir}"]
+    return TrainCommand(argv + (["--resume"] if resume else []), rdir, cfg.run.name, notes)
 
 
 def submission_id(run_name: str) -> str:
@@ -362,12 +444,14 @@ def main(args: argparse.Namespace) -> int:
     working_dir = Path(args.working_dir).resolve() if args.working_dir else PROJECT_ROOT
     env = parse_env(args.env)
     try:  # check the config before contacting the cluster
-        train_command(
+        cmd = train_command(
             args.recipe, args.overrides, python=args.python, runs_root=args.runs_root, working_dir=working_dir
         )
     except ConfigError as e:
         print(f"sparkrl submit: {e}", file=sys.stderr)
         return 2
+    for note in cmd.notes:
+        print(f"submit: note: {note}", file=sys.stderr)
     try:
         client = make_client(args.address)
         job = submit_run(
@@ -385,7 +469,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     print(f"submit: job {job.job_id} on {resolve_address(args.address)}")
     print(f"submit: entrypoint {job.entrypoint}")
-    print(f"submit: run dir {job.run_dir}", flush=True)
+    print(
+        f"submit: run dir {job.run_dir} (resume it as a job: `sparkrl submit {job.run_dir} --resume`)",
+        flush=True,
+    )
     if args.no_wait:
         print(
             f"submit: follow with `ray job logs --follow {job.job_id}`; stop with `ray job stop {job.job_id}`"

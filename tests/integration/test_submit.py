@@ -194,6 +194,45 @@ def test_train_command_recipe_outside_upload_and_local_paths(tmp_path, monkeypat
     assert f"run.dir={tmp_path / 'runs' / 'demo_cpu'}" == argv[-1]
 
 
+def test_each_local_path_is_named_as_the_job_finds_it(tmp_path, monkeypatch):
+    """The job runs in Ray's copy of the working directory: what the upload carries (Ray's own walk decides,
+    the project's .gitignore included) is named relative to it, whatever directory submit ran from; what it
+    leaves out (ignored data, excluded weights) is named absolute, with a note."""
+    proj = tmp_path / "proj"
+    (proj / "data").mkdir(parents=True)
+    (proj / "sub").mkdir()
+    (proj / ".gitignore").write_text("data/\n")
+    (proj / "data" / "train.jsonl").write_text("{}\n")
+    (proj / "eval.jsonl").write_text("{}\n")
+    (proj / "reward.py").write_text("def score(**kw):\n    return 0.0\n")
+    (proj / "model").mkdir()
+    (proj / "model" / "config.json").write_text("{}")
+    (proj / "model" / "model.safetensors").write_bytes(b"w")
+    recipe = proj / "r.yaml"
+    recipe.write_text((ROOT / "recipes" / "demo_cpu.yaml").read_text())
+    monkeypatch.chdir(proj / "sub")  # not the working directory
+    cmd = submit.train_command(
+        str(recipe),
+        [
+            "data.train=../data/train.jsonl",
+            "eval.data=../eval.jsonl?limit=4",
+            "reward.function=../reward.py:score",
+            "model.make_tiny.arch=",
+            "model.path=../model",
+            "logging.mlflow_tracking_uri=sqlite:///mlflow.db",
+        ],
+        working_dir=proj,
+    )
+    argv = cmd.argv
+    assert argv[4] == "r.yaml"
+    assert "eval.data=eval.jsonl?limit=4" in argv and "reward.function=reward.py:score" in argv
+    assert f"data.train={proj / 'data' / 'train.jsonl'}" in argv  # .gitignore'd: not uploaded
+    assert f"model.path={proj / 'model'}" in argv  # its weights are excluded
+    assert f"logging.mlflow_tracking_uri=sqlite:///{proj / 'sub' / 'mlflow.db'}" in argv
+    assert [n.split(":")[0] for n in cmd.notes] == ["model.path", "data.train"]
+    assert "which the cluster's nodes must see" in cmd.notes[0]
+
+
 def test_bad_override_fails_before_submitting(monkeypatch):
     monkeypatch.chdir(ROOT)
     with pytest.raises(ConfigError, match="trainer.lrr"):
@@ -235,7 +274,7 @@ def test_unreachable_cluster_is_a_clear_error(monkeypatch, capsys):
 def test_runtime_env_and_uploads():
     renv = submit.runtime_env(ROOT, {"A": "1"})
     assert renv["working_dir"] == str(ROOT)
-    assert renv["env_vars"] == {"PYTHONUNBUFFERED": "1", "A": "1"}
+    assert renv["env_vars"] == {"PYTHONUNBUFFERED": "1", "SPARKRL_SUBMITTED": "1", "A": "1"}
     assert {".venv", "runs", ".git"} <= set(renv["excludes"])
     assert submit.is_uploaded(ROOT / "recipes" / "demo_cpu.yaml", ROOT)
     assert not submit.is_uploaded(ROOT / "runs" / "x" / "config.yaml", ROOT)

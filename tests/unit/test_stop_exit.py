@@ -37,7 +37,7 @@ def _summary(**kw) -> dict:
     return {**base, **kw}
 
 
-def test_summary_counts_the_steps_this_invocation_ran(capsys):
+def test_summary_counts_the_steps_this_invocation_ran(capsys, monkeypatch):
     cli.print_summary(_summary())
     assert (
         capsys.readouterr().out.splitlines()[0] == "done: 26 of 26 steps: 6 this run (steps 21-26) in 1.0 min"
@@ -46,6 +46,10 @@ def test_summary_counts_the_steps_this_invocation_ran(capsys):
     line = capsys.readouterr().out.splitlines()[0]
     assert line.startswith("stopped at step 3 of 200 by SIGINT (checkpoint written): 3 this run (steps 1-3)")
     assert "sparkrl train /runs/x --resume" in line
+    monkeypatch.setenv("SPARKRL_SUBMITTED", "1")  # a Ray job that `sparkrl submit` started resumes as one
+    cli.print_summary(_summary(steps=3, first_step=1, total_steps=200, stopped_by="SIGTERM"))
+    assert "continue with `sparkrl submit /runs/x --resume`" in capsys.readouterr().out
+    monkeypatch.delenv("SPARKRL_SUBMITTED")
     cli.print_summary(_summary(steps=21, first_step=21))
     assert "1 this run (step 21)" in capsys.readouterr().out
 
