@@ -229,7 +229,7 @@ def is_uploaded(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _job_run_dir(cfg, runs_root: str | Path | None) -> Path:
+def job_run_dir(cfg, runs_root: str | Path | None) -> Path:
     if cfg.run.dir:
         return Path(cfg.run.dir).absolute()
     return (Path(runs_root) if runs_root else Path("runs")).absolute() / cfg.run.name
@@ -311,7 +311,7 @@ def train_command(
         recipe_arg = path.resolve().relative_to(working_dir.resolve()).as_posix()
     else:
         recipe_arg = str(path.absolute())  # the cluster must see this path (shared filesystem)
-    rdir = _job_run_dir(cfg, runs_root)
+    rdir = job_run_dir(cfg, runs_root)
     paths, notes = _job_paths(cfg, working_dir)
     argv = [python, "-m", "rl", "train", recipe_arg, *overrides, *paths, f"run.dir={rdir}"]
     return TrainCommand(argv + (["--resume"] if resume else []), rdir, cfg.run.name, notes)

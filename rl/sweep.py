@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from rl.config import ConfigError, find_recipe, is_section, load_config, run_dir, schema_fields
+from rl.metrics import read_metrics
 
 SWEEP_KEYS = ("base", "name", "overrides", "grid", "list")
 # The sweep names its runs and places them; a fixed run.name or run.dir would make every run the same run.
@@ -261,6 +262,8 @@ def load_sweep(path: str | Path, check: bool = True) -> Sweep:
     if not isinstance(name, str) or not name.strip():
         raise _problem(where, f"name: expected a non-empty string, got {name!r}")
     name = _UNSAFE.sub("_", name.strip())
+    if set(name) <= {"."}:  # '.' or '..' would put the runs' directories beside or above runs/
+        raise _problem(where, f"name: {name!r} is no directory name; name the sweep")
     overrides = _check_mapping(tree.get("overrides"), where, "overrides")
     pairs = expand(tree, where)
 
@@ -339,8 +342,6 @@ def dry_run_text(sweep: Sweep) -> str:
 
 def final_metrics(run_dir_: str | Path) -> dict[str, Any]:
     """Each metric's last logged value (eval metrics appear only on eval steps), plus the last `step`."""
-    from rl.metrics import read_metrics
-
     out: dict[str, Any] = {}
     for record in read_metrics(run_dir_):
         out.update(record)
@@ -388,15 +389,50 @@ def final_metrics_table(
 STOPPED_EXIT = {128 + int(s): s.name for s in (signal.SIGINT, signal.SIGTERM)}
 
 
+def point_state(rdir: Path, total_steps: int) -> str:
+    """Where a point's run stands on disk: 'new' (nothing of it there), 'done' (its record reaches
+    total_steps) or 'started' (steps or checkpoints, not all steps): a sweep run again skips the done runs
+    and resumes the started ones, so nothing finished is redone and nothing written is lost."""
+    if not (rdir / "metrics.jsonl").exists() and not (rdir / "checkpoints").exists():
+        return "new"
+    records = read_metrics(rdir)
+    return "done" if records and records[-1].get("step", 0) >= total_steps else "started"
+
+
+def _announce(sweep: Sweep, p: Point, state: str, rdir: Path) -> None:
+    head = f"sweep: [{p.index + 1}/{len(sweep.points)}] {p.name}"
+    note = {
+        "done": f": done before ({rdir}), not run again",
+        "started": ": resumed from its newest checkpoint",
+    }
+    print(head + note.get(state, ""), flush=True)
+
+
 def run_local(sweep: Sweep, python: str = sys.executable, fail_fast: bool = False) -> dict[str, str]:
-    """Each point in turn as `python -m rl train BASE overrides...` in this working directory.
+    """Each point in turn as `python -m rl train BASE overrides...` in this working directory (a point done
+    before is skipped, one started before resumed: `point_state`).
     Returns run dir -> 'ok', 'FAILED (exit N)', or 'STOPPED by SIG...' for a run a signal stopped (the
     sweep stops there: the runs after it are not started)."""
     status = {}
     for p in sweep.points:
         cfg = point_config(sweep, p)
+        rdir = run_dir(cfg)
+        state = point_state(rdir, cfg.trainer.total_steps)
+        _announce(sweep, p, state, rdir)
+        if state == "done":
+            status[str(rdir)] = "ok"
+            continue
         cmd = [python, "-m", "rl", "train", str(sweep.base), *p.overrides]
-        print(f"sweep: [{p.index + 1}/{len(sweep.points)}] {p.name}", flush=True)
+        if state == "started":  # the sweep file's step count holds (a resume may change it alone)
+            cmd = [
+                python,
+                "-m",
+                "rl",
+                "train",
+                str(rdir),
+                "--resume",
+                f"trainer.total_steps={cfg.trainer.total_steps}",
+            ]
         rc = run_forwarding_signals(cmd)
         if rc in STOPPED_EXIT:
             status[str(run_dir(cfg))] = f"STOPPED by {STOPPED_EXIT[rc]}"
@@ -435,32 +471,58 @@ def run_submitted(sweep: Sweep, args: argparse.Namespace) -> dict[str, str]:
     from rl import submit
 
     client = submit.make_client(args.address)
+    env = submit.parse_env(args.env)
     pending = list(sweep.points)
     running: dict[str, tuple[Point, Path]] = {}
     status: dict[str, str] = {}
     finished: dict[int, str] = {}
-    while pending or running:
-        while pending and len(running) < args.max_concurrent:
-            p = pending.pop(0)
-            job = submit.submit_run(
-                client,
-                str(sweep.base),
-                p.overrides,
-                python=args.python,
-                env=submit.parse_env(args.env),
-                runs_root=args.runs_root,
-            )
+    try:
+        while pending or running:
+            while pending and len(running) < args.max_concurrent:
+                p = pending.pop(0)
+                cfg = point_config(sweep, p)
+                rdir = submit.job_run_dir(cfg, args.runs_root)
+                state = point_state(rdir, cfg.trainer.total_steps)
+                _announce(sweep, p, state, rdir)
+                if state == "done":
+                    status[str(rdir)], finished[p.index] = "ok", str(rdir)
+                    continue
+                recipe, overrides = str(sweep.base), p.overrides
+                if state == "started":
+                    recipe, overrides = str(rdir), [f"trainer.total_steps={cfg.trainer.total_steps}"]
+                job = submit.submit_run(
+                    client,
+                    recipe,
+                    overrides,
+                    python=args.python,
+                    env=env,
+                    runs_root=args.runs_root,
+                    resume=state == "started",
+                )
+                print(
+                    f"sweep: {p.name}: job {job.job_id} (follow: ray job logs --follow {job.job_id})",
+                    flush=True,
+                )
+                running[job.job_id] = (p, job.run_dir)
+            if not running:
+                break
+            job_id, final = submit.wait_any(client, list(running))
+            p, rdir = running.pop(job_id)
+            status[str(rdir)] = "ok" if final == "SUCCEEDED" else final
+            finished[p.index] = str(rdir)
+            print(f"sweep: {p.name}: {final}", flush=True)
+            if final != "SUCCEEDED" and args.fail_fast:
+                pending.clear()  # the jobs running go on; nothing more is submitted
+    except (KeyboardInterrupt, RuntimeError, ConnectionError) as e:
+        # As `sparkrl submit` does: stop watching, the jobs keep running; say which, and what they hold.
+        why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+        print(f"sweep: stopped watching ({why}); not submitted: {len(pending)} point(s)", file=sys.stderr)
+        for job_id, (p, rdir) in running.items():
             print(
-                f"sweep: [{p.index + 1}/{len(sweep.points)}] {p.name}: job {job.job_id} "
-                f"(follow: ray job logs --follow {job.job_id})",
-                flush=True,
+                f"sweep: {p.name}: job {job_id} keeps running (`ray job stop {job_id}` ends it)",
+                file=sys.stderr,
             )
-            running[job.job_id] = (p, job.run_dir)
-        job_id, final = submit.wait_any(client, list(running))
-        p, rdir = running.pop(job_id)
-        status[str(rdir)] = "ok" if final == "SUCCEEDED" else final
-        finished[p.index] = str(rdir)
-        print(f"sweep: {p.name}: {final}", flush=True)
+            status[str(rdir)], finished[p.index] = f"RUNNING (job {job_id})", str(rdir)
     return {d: status[d] for _, d in sorted(finished.items())}  # in sweep order, not finishing order
 
 
@@ -518,7 +580,11 @@ def register(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="run the points one after another here (python -m rl train), not as Ray jobs",
     )
-    p.add_argument("--fail-fast", action="store_true", help="--local: stop at the first failed run")
+    p.add_argument(
+        "--fail-fast",
+        action="store_true",
+        help="stop at the first failed run (Ray jobs: submit no more; those running go on)",
+    )
     p.add_argument("--address", default=None, help="Ray dashboard address (default: $RAY_ADDRESS)")
     p.add_argument(
         "--python",

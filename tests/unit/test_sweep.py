@@ -241,14 +241,26 @@ def test_final_metrics_table(tmp_path):
 
 
 FAKE_PYTHON = """#!{python}
-# Stands in for `python -m rl train BASE overrides...`: writes one metrics line per run.
+# Stands in for `python -m rl train BASE overrides...` (writes one metrics line per run; one point fails, with
+# FAKE_PARTIAL after its first step) and for `python -m rl train RUN_DIR --resume trainer.total_steps=N`
+# (appends step N). Each call is logged to calls.log.
 import json, os, sys
-args = dict(a.split("=", 1) for a in sys.argv[5:])
 assert sys.argv[1:4] == ["-m", "rl", "train"], sys.argv
-if args["trainer.lr"] == "0.0003" and args["algorithm.clip_ratio_high"] == "0.2":
-    sys.exit(3)
+with open("calls.log", "a") as log:
+    log.write(" ".join(sys.argv[4:]) + "\\n")
+if "--resume" in sys.argv:
+    steps = int(sys.argv[6].split("=")[1])
+    with open(os.path.join(sys.argv[4], "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({{"step": steps, "reward/mean": 0.5}}) + "\\n")
+    sys.exit(0)
+args = dict(a.split("=", 1) for a in sys.argv[5:])
 run = os.path.join("runs", args["run.name"])
 os.makedirs(run, exist_ok=True)
+if args["trainer.lr"] == "0.0003" and args["algorithm.clip_ratio_high"] == "0.2":
+    if os.environ.get("FAKE_PARTIAL"):
+        with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({{"step": 1, "reward/mean": 0.1}}) + "\\n")
+    sys.exit(3)
 with open(os.path.join(run, "metrics.jsonl"), "w") as f:
     record = {{"step": int(args["trainer.total_steps"]), "reward/mean": float(args["trainer.lr"]) * 1000}}
     f.write(json.dumps(record) + "\\n")
@@ -284,6 +296,44 @@ def test_local_sweep_runs_each_point_and_prints_table(tmp_path, monkeypatch, cap
     assert f"sweep: report {tmp_path / 'runs' / 'loc' / 'report' / 'report.md'}" in out
     assert "| lr=3e-4,clip_ratio_high=0.28 | 2 | 0.3 |" in report
     assert "lr=3e-4,clip_ratio_high=0.2 |" not in report  # the failed run has no metrics
+
+
+def test_a_sweep_run_again_skips_the_done_runs_and_resumes_the_started_one(tmp_path, monkeypatch, capsys):
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    sweep_file = _write(
+        tmp_path,
+        f"base: {ROOT / 'recipes' / 'demo_cpu.yaml'}\nname: again\n"
+        "overrides: {trainer.total_steps: 2}\n"
+        "grid: {trainer.lr: [1.0e-4, 3.0e-4], algorithm.clip_ratio_high: [0.2, 0.28]}\n",
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FAKE_PARTIAL", "1")  # the failing point stops after its first step
+    parser = argparse.ArgumentParser(prog="sparkrl")
+    S.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["sweep", str(sweep_file), "--local", "--python", str(fake), "--no-report"])
+    assert args.func(args) == 1
+    (tmp_path / "calls.log").unlink()
+    capsys.readouterr()
+    assert args.func(args) == 0  # run again: the three done runs skipped, the started one resumed
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert calls == ["runs/again/lr=3e-4,clip_ratio_high=0.2 --resume trainer.total_steps=2"]
+    out = capsys.readouterr().out
+    assert out.count("done before") == 3 and "resumed from its newest checkpoint" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("runs/")}
+    assert rows["runs/again/lr=3e-4,clip_ratio_high=0.2"] == ["2", "0.5", "ok"]
+    assert rows["runs/again/lr=1e-4,clip_ratio_high=0.2"] == ["2", "0.1", "ok"]
+
+
+def test_a_sweep_named_dot_dot_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="name: '..' is no directory name"):
+        S.load_sweep(
+            _write(
+                tmp_path,
+                f"base: {ROOT / 'recipes' / 'demo_cpu.yaml'}\nname: ..\ngrid: {{trainer.lr: [1.0e-4]}}\n",
+            )
+        )
 
 
 def test_dry_run_command(capsys):
