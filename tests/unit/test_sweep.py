@@ -267,16 +267,22 @@ with open(os.path.join(run, "metrics.jsonl"), "w") as f:
 """
 
 
-def test_local_sweep_runs_each_point_and_prints_table(tmp_path, monkeypatch, capsys):
+def _fake_sweep(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """(FAKE_PYTHON as an executable, a 2 x 2 grid sweep of 2-step demo runs named `name`)."""
     fake = tmp_path / "fake_python"
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     sweep_file = _write(
         tmp_path,
-        f"base: {ROOT / 'recipes' / 'demo_cpu.yaml'}\nname: loc\n"
+        f"base: {ROOT / 'recipes' / 'demo_cpu.yaml'}\nname: {name}\n"
         "overrides: {trainer.total_steps: 2}\n"
         "grid: {trainer.lr: [1.0e-4, 3.0e-4], algorithm.clip_ratio_high: [0.2, 0.28]}\n",
     )
+    return fake, sweep_file
+
+
+def test_local_sweep_runs_each_point_and_prints_table(tmp_path, monkeypatch, capsys):
+    fake, sweep_file = _fake_sweep(tmp_path, "loc")
     monkeypatch.chdir(tmp_path)
     parser = argparse.ArgumentParser(prog="sparkrl")
     S.register(parser.add_subparsers(dest="command"))
@@ -299,15 +305,7 @@ def test_local_sweep_runs_each_point_and_prints_table(tmp_path, monkeypatch, cap
 
 
 def test_a_sweep_run_again_skips_the_done_runs_and_resumes_the_started_one(tmp_path, monkeypatch, capsys):
-    fake = tmp_path / "fake_python"
-    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    sweep_file = _write(
-        tmp_path,
-        f"base: {ROOT / 'recipes' / 'demo_cpu.yaml'}\nname: again\n"
-        "overrides: {trainer.total_steps: 2}\n"
-        "grid: {trainer.lr: [1.0e-4, 3.0e-4], algorithm.clip_ratio_high: [0.2, 0.28]}\n",
-    )
+    fake, sweep_file = _fake_sweep(tmp_path, "again")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FAKE_PARTIAL", "1")  # the failing point stops after its first step
     parser = argparse.ArgumentParser(prog="sparkrl")

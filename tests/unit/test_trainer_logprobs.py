@@ -96,12 +96,18 @@ def test_chunked_head_equals_full_logits_on_the_tiny_moe(policy, chunk):
     torch.testing.assert_close(nograd, want.detach(), rtol=0, atol=1e-6)
 
 
-def test_chunked_head_peak_memory_is_a_fraction_of_the_full_logits_at_32k_vocab():
+def _head_32k(tokens: int):
+    """A 32k-vocabulary head (width 64), hidden states with grad, and targets: the memory tests' case."""
     torch.manual_seed(0)
-    tokens, width, vocab, chunk = 2048, 64, 32768, 256
+    width, vocab = 64, 32768
     head = torch.nn.Linear(width, vocab, bias=False).requires_grad_(False)
     hidden = torch.randn(1, tokens, width, requires_grad=True)
-    targets = torch.randint(0, vocab, (1, tokens))
+    return head, hidden, torch.randint(0, vocab, (1, tokens)), vocab
+
+
+def test_chunked_head_peak_memory_is_a_fraction_of_the_full_logits_at_32k_vocab():
+    tokens, chunk = 2048, 256
+    head, hidden, targets, vocab = _head_32k(tokens)
 
     def run(fn):
         hidden.grad = None
@@ -176,11 +182,8 @@ def test_the_nucleus_adds_the_planners_12_bytes_a_logit_at_peak():
     """rl/plan.py counts a top-p nucleus as 12 bytes a logit of a chunk over the plain head's peak."""
     from rl.plan import _logits_bytes
 
-    torch.manual_seed(0)
-    tokens, width, vocab, chunk = 1024, 64, 32768, 256
-    head = torch.nn.Linear(width, vocab, bias=False).requires_grad_(False)
-    hidden = torch.randn(1, tokens, width, requires_grad=True)
-    targets = torch.randint(0, vocab, (1, tokens))
+    chunk = 256
+    head, hidden, targets, vocab = _head_32k(1024)
 
     def peak(top_p):
         hidden.grad = None
