@@ -189,9 +189,7 @@ def uploaded_files(working_dir: Path) -> frozenset[Path] | None:
     root = working_dir.resolve()
     include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
     files: set[Path] = set()
-    quiet = logging.getLogger(
-        "sparkrl.submit.upload_walk"
-    )  # Ray logs each ignore file it reads: not ours to show
+    quiet = logging.getLogger("sparkrl.submit.upload_walk")  # Ray logs each ignore file it reads
     quiet.setLevel(logging.ERROR)
     _dir_travel(
         root,
@@ -256,13 +254,12 @@ def _mlflow_uri(uri: str) -> str | None:
     return None if "://" in uri or Path(uri).is_absolute() else str(Path(uri).absolute())
 
 
-def _job_paths(cfg, working_dir: Path | None) -> tuple[list[str], list[str]]:
+def _job_paths(cfg, working_dir: Path | None, files: frozenset[Path] | None) -> tuple[list[str], list[str]]:
     """(overrides, notes): every local file or directory the config names (PATH_KEYS, the files of CODE_KEYS'
     import paths), named as the job finds it: relative to the job's working directory (the upload's root,
     where the job runs) when the upload carries it, else absolute, with a note that the cluster must see that
     path (a local cluster, or a shared filesystem). A relative MLflow store is made absolute (the upload's
-    copy is gone after the job)."""
-    files = uploaded_files(working_dir) if working_dir is not None else None
+    copy is gone after the job). files: `uploaded_files(working_dir)`."""
     overrides, notes = [], []
 
     def job_name(key: str, local: Path) -> str:
@@ -307,12 +304,13 @@ def train_command(
 
     cfg = load_target(recipe, overrides)
     path = find_recipe(recipe)
-    if working_dir is not None and is_uploaded(path.absolute(), working_dir):
+    files = uploaded_files(working_dir) if working_dir is not None else None
+    if working_dir is not None and is_uploaded(path.absolute(), working_dir, files):
         recipe_arg = path.resolve().relative_to(working_dir.resolve()).as_posix()
     else:
         recipe_arg = str(path.absolute())  # the cluster must see this path (shared filesystem)
     rdir = job_run_dir(cfg, runs_root)
-    paths, notes = _job_paths(cfg, working_dir)
+    paths, notes = _job_paths(cfg, working_dir, files)
     argv = [python, "-m", "rl", "train", recipe_arg, *overrides, *paths, f"run.dir={rdir}"]
     return TrainCommand(argv + (["--resume"] if resume else []), rdir, cfg.run.name, notes)
 
