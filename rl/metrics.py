@@ -369,11 +369,16 @@ def wandb_run_id(run_dir: Path, run_name: str) -> str:
     name (W&B ids allow letters, digits, '-', '_' and '.': sweep run names hold '/', '=' and ',') and 8 random
     hex digits."""
     id_file = run_dir / WANDB_RUN_ID_FILE
-    if id_file.exists() and id_file.read_text().strip():
-        return id_file.read_text().strip()
+    kept = id_file.read_text().strip() if id_file.exists() else ""
+    if kept:
+        return kept
     name = re.sub(r"[^\w.-]", "_", run_name)[:55] or "run"
-    run_id = f"{name}-{secrets.token_hex(4)}"
-    tmp = id_file.with_name(f".{id_file.name}.tmp")  # renamed into place: never a half-written id
+    return _keep_id(id_file, f"{name}-{secrets.token_hex(4)}")
+
+
+def _keep_id(id_file: Path, run_id: str) -> str:
+    """Writes a tracker's run id into the run directory (renamed into place: never a half-written id)."""
+    tmp = id_file.with_name(f".{id_file.name}.tmp")
     tmp.write_text(run_id + "\n")
     os.replace(tmp, id_file)
     return run_id
@@ -399,10 +404,7 @@ class _MLflowRun:
             run = self.client.create_run(
                 exp_id, run_name=run_name or None, tags={"sparkrl.run_dir": str(run_dir)}
             )
-            self.run_id = run.info.run_id
-            tmp = id_file.with_name(f".{id_file.name}.tmp")  # renamed into place: never a half-written id
-            tmp.write_text(self.run_id + "\n")
-            os.replace(tmp, id_file)
+            self.run_id = _keep_id(id_file, run.info.run_id)
         if config:
             self._log_params(config)
 
