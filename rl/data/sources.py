@@ -128,9 +128,8 @@ def load_source(
         raise FileNotFoundError(
             f"prompt source {spec!r}: no such file or directory, and {location!r} is not a hub id (owner/name)"
         )
-    return _to_verl(
-        _prompt_column(table, origin, prompt_key), origin, default_source, opts, rows, text_answers
-    )
+    table = _prompt_column(table, origin, prompt_key)
+    return _to_verl(table, origin, default_source, opts, rows, text_answers, prompt_key)
 
 
 def _prompt_column(table: pa.Table, origin: str, prompt_key: str) -> pa.Table:
@@ -278,7 +277,10 @@ def _to_verl(
     opts: dict[str, Any],
     rows: RowNames,
     text_answers: bool | Callable[[str], bool] = True,
+    prompt_name: str = "prompt",
 ) -> PromptSource:
+    """The table in verl's schema. prompt_name: what the problems call the `prompt` column (the file's own
+    name for it: data.prompt_key)."""
     if table.num_rows == 0:
         raise ValueError(f"{origin}: the dataset is empty (no rows)")
     columns = table.column_names
@@ -286,8 +288,8 @@ def _to_verl(
     explicit_raw = "problem_key" in opts or "answer_key" in opts
     if not explicit_raw and ("prompt" in columns or "reward_model" in columns):
         schema, key_column = "verl", "prompt"
-        _check_verl_columns(table, origin)
-        _check_messages(table["prompt"], problems)
+        _check_verl_columns(table, origin, prompt_name)
+        _check_messages(table["prompt"], problems, prompt_name)
         dedup_ok = True
     else:
         schema = "raw"
@@ -342,18 +344,19 @@ def _raw_columns(columns: list[str], opts: dict[str, Any], origin: str) -> tuple
     return problem_key, answer_key, id_key
 
 
-def _check_verl_columns(table: pa.Table, origin: str) -> None:
-    """The verl schema's columns and their types: without them no row can be read, so these raise at once."""
+def _check_verl_columns(table: pa.Table, origin: str, name: str = "prompt") -> None:
+    """The verl schema's columns and their types: without them no row can be read, so these raise at once.
+    name: the file's name for the `prompt` column, as the messages say it."""
     columns = table.column_names
     if "prompt" not in columns:
         raise ValueError(
-            f"{origin}: no prompt column 'prompt' (chat messages), which the verl schema needs next to "
+            f"{origin}: no prompt column {name!r} (chat messages), which the verl schema needs next to "
             f"'reward_model'; the columns are {columns}"
         )
     if "reward_model" not in columns:
         raise ValueError(
             f"{origin}: no answer column 'reward_model' (a struct with 'ground_truth'), which the verl schema "
-            f"needs next to 'prompt'; the columns are {columns}"
+            f"needs next to {name!r}; the columns are {columns}"
         )
     rm_type = table.schema.field("reward_model").type
     if not pa.types.is_struct(rm_type) or rm_type.get_field_index("ground_truth") < 0:
@@ -368,14 +371,15 @@ def _check_verl_columns(table: pa.Table, origin: str) -> None:
     )
     if item is None or not pa.types.is_struct(item) or {"role", "content"} - {f.name for f in item}:
         raise ValueError(
-            f"{origin}: column 'prompt' must hold chat messages (a list of {{role, content}}), got {prompt_type}; "
+            f"{origin}: column {name!r} must hold chat messages (a list of {{role, content}}), got {prompt_type}; "
             "raw problem text belongs in a 'problem' column"
         )
 
 
-def _check_messages(col: pa.ChunkedArray, problems: Problems) -> None:
-    """Rows whose prompt is null, or holds a message that is null or has no role or content."""
-    _check_nulls(col, np.arange(len(col)), "prompt", problems, "chat messages (a list of {role, content})")
+def _check_messages(col: pa.ChunkedArray, problems: Problems, name: str = "prompt") -> None:
+    """Rows whose prompt is null, empty, or holds a message that is null or has no role or content; `name`:
+    the file's name for the column, as the problems say it."""
+    _check_nulls(col, np.arange(len(col)), name, problems, "chat messages (a list of {role, content})")
     bad_rows, start = [], 0
     for chunk in col.chunks:
         messages = _messages(chunk)
@@ -396,12 +400,12 @@ def _check_messages(col: pa.ChunkedArray, problems: Problems) -> None:
     rows = np.concatenate(bad_rows) if bad_rows else np.array([], dtype=np.int64)
     if len(rows):
         problems.cells(
-            rows, "prompt", "a message that is null or has no role or content; expected {role, content}"
+            rows, name, "a message that is null or has no role or content; expected {role, content}"
         )
     lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)  # nan where null (reported above)
     empty = np.flatnonzero(lengths == 0)
     if len(empty):
-        problems.cells(empty, "prompt", "no messages; expected chat messages (a list of {role, content})")
+        problems.cells(empty, name, "no messages; expected chat messages (a list of {role, content})")
 
 
 def _check_problem_column(col: pa.ChunkedArray, column: str, problems: Problems) -> bool:

@@ -482,6 +482,12 @@ def test_prompt_key_names_the_message_column_and_a_missing_one_names_the_file(tm
     assert src.schema == "verl" and [p[0]["content"] for p in src.dataset["prompt"]] == ["q1", "q2"]
     with pytest.raises(ValueError, match=rf"{path}: no column 'conversation' \(data.prompt_key"):
         load_source(str(path), prompt_key="conversation")
+    empty = _verl_jsonl(tmp_path / "empty.jsonl", [rows[0], {**rows[1], "messages": []}])
+    with pytest.raises(DataError) as e:  # a problem names the file's own column
+        load_source(str(empty), prompt_key="messages")
+    assert e.value.lines == [
+        f"{empty}: row 2: column 'messages': no messages; expected chat messages (a list of {{role, content}})"
+    ]
     both = _verl_jsonl(tmp_path / "both.jsonl", [{**_row(1), "messages": []}])
     with pytest.raises(ValueError, match="data.prompt_key='messages', but the dataset also has a 'prompt'"):
         load_source(str(both), prompt_key="messages")
