@@ -301,7 +301,9 @@ def engine_spec(cfg: SparkConfig, model_path: str):
     """The rollout engines' spec (`rollout.spec.EngineSpec`): the `rollout:` section as it is, and what the run
     resolves around it; `model_path` is the resolved rollout weights.
 
-    Sleep mode follows placement (colocated shares GPUs with the trainer) and only applies with GPUs;
+    Sleep mode follows placement (colocated shares GPUs with the trainer) and only applies with GPUs; with
+    it the KV cache is the size `sparkrl plan` gives it (what is left of gpu_memory_utilization x
+    resources.gpu_memory_gib), since vLLM's own profile misjudges it under sleep mode (EngineSpec.kv_cache_bytes).
     LoRA is on in adapter sync mode, off in merged mode (the merged weights carry the update).
     """
     from rollout.spec import EngineSpec
@@ -309,6 +311,12 @@ def engine_spec(cfg: SparkConfig, model_path: str):
     ro = cfg.rollout
     max_len = ro.max_model_len or ro.max_prompt_len + max(ro.max_response_len, cfg.eval.max_response_len)
     on_gpu = cfg.resources.num_gpus > 0
+    sleep = on_gpu and ro.placement == "colocated"
+    kv_cache_bytes = 0
+    if sleep:
+        from rl.plan import make_plan
+
+        kv_cache_bytes = max(0, int(make_plan(cfg, advise=False).kv_room))
     return EngineSpec(
         model_path=model_path,
         rollout=copy.deepcopy(ro),
@@ -320,7 +328,8 @@ def engine_spec(cfg: SparkConfig, model_path: str):
         lora_experts_stacked=cfg.sync.expert_layout == "stacked",
         return_routed_experts=cfg.r3.enabled,
         routing_by_reference=cfg.r3.enabled,
-        enable_sleep_mode=on_gpu and ro.placement == "colocated",
+        enable_sleep_mode=sleep,
+        kv_cache_bytes=kv_cache_bytes,
         trust_remote_code=cfg.model.trust_remote_code,
         chat_template_kwargs=dict(cfg.data.chat_template_kwargs),
     )

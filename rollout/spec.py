@@ -37,6 +37,11 @@ class EngineSpec:
     # carries the reference (Sample.routing_ref), not the array; needs the worker to run in Ray
     routing_by_reference: bool = False
     enable_sleep_mode: bool = False  # colocated placement: free the GPU while the trainer runs
+    # Each TP rank's KV cache in bytes, vLLM's `kv_cache_memory_bytes` (0: vLLM sizes it by profiling,
+    # within gpu_memory_utilization). With sleep mode on, vLLM's profile counts the sleep allocator's pool
+    # wrongly and can take more than gpu_memory_utilization (measured on an H100: 54.4 GiB of KV cache for
+    # a 0.55 x 80 GiB budget holding 21 GiB of weights), which the trainer beside it cannot spare.
+    kv_cache_bytes: int = 0
     # LoRA on a Hopper GPU: the single-slice lora_expand kernel's N block (vLLM's 128 gives NaN on sm90);
     # 0 leaves vLLM's configs. Not a `vllm.LLM` argument: vLLM's tuned-config folder (rollout/lora_kernels.py).
     hopper_lora_expand_block_n: int = 32

@@ -144,6 +144,8 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | No
             kw["scheduler_cls"] = SCHEDULER
     if spec.enable_sleep_mode:
         kw["enable_sleep_mode"] = True
+    if spec.kv_cache_bytes:
+        kw["kv_cache_memory_bytes"] = spec.kv_cache_bytes
     backend = spec.rollout.moe_backend
     # NVFP4 experts with LoRA: vLLM's MoE-LoRA path works with Marlin's weight-only FP4 on Hopper;
     # "auto" may pick a kernel without LoRA support.
