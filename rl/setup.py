@@ -302,8 +302,9 @@ def engine_spec(cfg: SparkConfig, model_path: str):
     resolves around it; `model_path` is the resolved rollout weights.
 
     Sleep mode follows placement (colocated shares GPUs with the trainer) and only applies with GPUs; with
-    it the KV cache is the size `sparkrl plan` gives it (what is left of gpu_memory_utilization x
-    resources.gpu_memory_gib), since vLLM's own profile misjudges it under sleep mode (EngineSpec.kv_cache_bytes).
+    it the KV cache is what is left of gpu_memory_utilization x the GPU beside what `sparkrl plan` counts
+    (weights, LoRA slot, activations, runtime), since vLLM's own profile misjudges it under sleep mode
+    (EngineSpec.non_kv_bytes).
     LoRA is on in adapter sync mode, off in merged mode (the merged weights carry the update).
     """
     from rollout.spec import EngineSpec
@@ -312,11 +313,15 @@ def engine_spec(cfg: SparkConfig, model_path: str):
     max_len = ro.max_model_len or ro.max_prompt_len + max(ro.max_response_len, cfg.eval.max_response_len)
     on_gpu = cfg.resources.num_gpus > 0
     sleep = on_gpu and ro.placement == "colocated"
-    kv_cache_bytes = 0
+    non_kv_bytes = 0
     if sleep:
         from rl.plan import make_plan
 
-        kv_cache_bytes = max(0, int(make_plan(cfg, advise=False).kv_room))
+        try:
+            p = make_plan(cfg, advise=False)
+            non_kv_bytes = int(p.r_weights + p.r_lora + p.r_activations + p.r_runtime)
+        except ValueError as e:  # a model the planner cannot size: vLLM's profile it is
+            logging.getLogger(__name__).warning("rollout: the KV cache is left to vLLM's profile (%s)", e)
     return EngineSpec(
         model_path=model_path,
         rollout=copy.deepcopy(ro),
@@ -329,7 +334,8 @@ def engine_spec(cfg: SparkConfig, model_path: str):
         return_routed_experts=cfg.r3.enabled,
         routing_by_reference=cfg.r3.enabled,
         enable_sleep_mode=sleep,
-        kv_cache_bytes=kv_cache_bytes,
+        non_kv_bytes=non_kv_bytes,
+        gpu_bytes=int(cfg.resources.gpu_memory_gib * 2**30) if sleep else 0,
         trust_remote_code=cfg.model.trust_remote_code,
         chat_template_kwargs=dict(cfg.data.chat_template_kwargs),
     )

@@ -39,7 +39,12 @@ class RolloutConfig:
     num_workers: int = _f(1, "Rollout engines (vLLM instances).", ge=1)
     tensor_parallel_size: int = _f(1, "GPUs per rollout engine.", ge=1)
     gpu_memory_utilization: float = _f(
-        0.5, "Fraction of each GPU's memory vLLM may take (weights and KV cache).", gt=0, le=1
+        0.5,
+        "Fraction of each GPU's memory vLLM may take (weights and KV cache). Colocated on GPUs, the KV cache "
+        "is this fraction less what `sparkrl plan` counts beside it (vLLM's own profile misjudges it in "
+        "sleep mode); `engine_args: {kv_cache_memory_bytes: N}` sets it outright.",
+        gt=0,
+        le=1,
     )
     max_model_len: int = _f(
         0,

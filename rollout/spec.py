@@ -37,11 +37,16 @@ class EngineSpec:
     # carries the reference (Sample.routing_ref), not the array; needs the worker to run in Ray
     routing_by_reference: bool = False
     enable_sleep_mode: bool = False  # colocated placement: free the GPU while the trainer runs
-    # Each TP rank's KV cache in bytes, vLLM's `kv_cache_memory_bytes` (0: vLLM sizes it by profiling,
-    # within gpu_memory_utilization). With sleep mode on, vLLM's profile counts the sleep allocator's pool
-    # wrongly and can take more than gpu_memory_utilization (measured on an H100: 54.4 GiB of KV cache for
-    # a 0.55 x 80 GiB budget holding 21 GiB of weights), which the trainer beside it cannot spare.
-    kv_cache_bytes: int = 0
+    # With sleep mode: what `sparkrl plan` puts beside the KV cache on each TP rank (weights, LoRA slot,
+    # activations, runtime); the KV cache is then gpu_memory_utilization x the GPU's memory less this
+    # (vLLM's `kv_cache_memory_bytes`, engine_kwargs). Under sleep mode vLLM's own profile counts the sleep
+    # allocator's pool wrongly and can take more than gpu_memory_utilization (measured on an H100: 54.4 GiB
+    # of KV cache for a 0.55 x 80 GiB budget beside 21 GiB of weights), which the trainer beside it cannot
+    # spare. 0: vLLM's profile sizes it.
+    non_kv_bytes: int = 0
+    gpu_bytes: int = (
+        0  # the GPU's memory as resources.gpu_memory_gib says, where the engine's process sees none
+    )
     # LoRA on a Hopper GPU: the single-slice lora_expand kernel's N block (vLLM's 128 gives NaN on sm90);
     # 0 leaves vLLM's configs. Not a `vllm.LLM` argument: vLLM's tuned-config folder (rollout/lora_kernels.py).
     hopper_lora_expand_block_n: int = 32

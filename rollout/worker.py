@@ -144,8 +144,8 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | No
             kw["scheduler_cls"] = SCHEDULER
     if spec.enable_sleep_mode:
         kw["enable_sleep_mode"] = True
-    if spec.kv_cache_bytes:
-        kw["kv_cache_memory_bytes"] = spec.kv_cache_bytes
+    if spec.non_kv_bytes:
+        kw["kv_cache_memory_bytes"] = kv_cache_bytes(spec)
     backend = spec.rollout.moe_backend
     # NVFP4 experts with LoRA: vLLM's MoE-LoRA path works with Marlin's weight-only FP4 on Hopper;
     # "auto" may pick a kernel without LoRA support.
@@ -155,6 +155,29 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | No
         kw["moe_backend"] = backend
     kw.update(spec.rollout.engine_args)
     return kw
+
+
+def kv_cache_bytes(spec: EngineSpec) -> int:
+    """The KV cache of each TP rank under sleep mode: gpu_memory_utilization x the GPU's memory, less what
+    the plan puts beside it (EngineSpec.non_kv_bytes). The GPU's memory from NVML (no CUDA context in this
+    process), or resources.gpu_memory_gib where this process sees no GPU (TP ranks on other bundles)."""
+    from vllm.platforms import current_platform
+
+    total = spec.gpu_bytes
+    if current_platform.is_cuda_alike():
+        try:
+            total = current_platform.get_device_total_memory(0)
+        except Exception:  # no GPU visible to this process
+            pass
+    ro = spec.rollout
+    kv = int(ro.gpu_memory_utilization * total) - spec.non_kv_bytes
+    if kv <= 0:
+        raise ValueError(
+            f"rollout.gpu_memory_utilization {ro.gpu_memory_utilization} of a {total / 2**30:.1f} GiB GPU "
+            f"leaves no KV cache beside the {spec.non_kv_bytes / 2**30:.1f} GiB of weights, LoRA slot, "
+            "activations and runtime `sparkrl plan` counts; raise rollout.gpu_memory_utilization"
+        )
+    return kv
 
 
 DUP_CHECK_ROWS = 64  # rows of a sample whose experts check_routed_experts checks for repeats

@@ -350,6 +350,34 @@ def test_engine_args_reach_vllm_over_the_settings_sparkrl_makes(tmp_path):
     assert engine_spec(load_config(recipe(tmp_path)), "/m").rollout.engine_args == {}
 
 
+def test_a_colocated_engine_sizes_its_kv_cache_beside_what_the_plan_counts(tmp_path):
+    """Under sleep mode vLLM's own profile misjudges the KV cache (it took 54 GiB of a 44 GiB budget on an
+    H100); a colocated engine is given gpu_memory_utilization x the GPU less the plan's weights, LoRA slot,
+    activations and runtime instead, and rollout.engine_args still wins. (Here no GPU is visible, so the
+    GPU's memory is resources.gpu_memory_gib, as for an engine whose TP ranks run elsewhere.)"""
+    from rl.plan import make_plan
+    from rl.setup import engine_spec
+    from rollout.worker import ModelInfo, engine_kwargs
+
+    info = ModelInfo(num_layers=2, num_experts=0, top_k=0, quantization=None)
+    cfg = load_config("recipes/gpu_demo.yaml")
+    spec = engine_spec(cfg, "/m")
+    assert spec.enable_sleep_mode and spec.gpu_bytes == cfg.resources.gpu_memory_gib * 2**30
+    plan = make_plan(cfg, advise=False)
+    kv = engine_kwargs(spec, info)["kv_cache_memory_bytes"]
+    assert abs(kv - plan.kv_room) < 2 and kv > 2**30  # the plan's KV room, to the byte's rounding
+    # a smaller share of the GPU leaves a smaller cache; none at all is refused with what to raise
+    small = engine_spec(load_config("recipes/gpu_demo.yaml", ["rollout.gpu_memory_utilization=0.2"]), "/m")
+    assert 0 < engine_kwargs(small, info)["kv_cache_memory_bytes"] < kv
+    none = engine_spec(load_config("recipes/gpu_demo.yaml", ["rollout.gpu_memory_utilization=0.01"]), "/m")
+    with pytest.raises(ValueError, match="leaves no KV cache.*raise rollout.gpu_memory_utilization"):
+        engine_kwargs(none, info)
+    mine = load_config("recipes/gpu_demo.yaml", ["rollout.engine_args={kv_cache_memory_bytes: 1073741824}"])
+    assert engine_kwargs(engine_spec(mine, "/m"), info)["kv_cache_memory_bytes"] == 2**30
+    cpu = engine_spec(load_config(recipe(tmp_path)), "/m")  # no sleep mode: vLLM sizes it
+    assert cpu.non_kv_bytes == 0 and "kv_cache_memory_bytes" not in engine_kwargs(cpu, info)
+
+
 def test_choices_are_the_registries_names(tmp_path):
     from rl.core import algo
 

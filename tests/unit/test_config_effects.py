@@ -27,7 +27,6 @@ from rl.config import _FIELDS, is_section, load_config, validate
 DRIVER_READS = {
     "run.name": "rl.config.run_dir",
     "run.dir": "rl.config.run_dir",
-    "model.path": "rl.setup.resolve_model_paths",
     "model.rollout_path": "rl.setup.resolve_model_paths",
     "model.make_tiny.arch": "rl.setup.resolve_model_paths",
     "model.make_tiny.sft": "rl.setup.resolve_model_paths",
@@ -35,7 +34,6 @@ DRIVER_READS = {
     "model.make_tiny.quantize": "rl.setup.resolve_model_paths",
     # resolved against the checkpoint: on the test's BF16 models every valid value gives bf16
     "trainer.base_format": "rl.setup.trainer_spec",
-    "resources.gpu_memory_gib": "rl.plan.make_plan",
     "resources.device": "rl.plan_time.device_kind",
     "resources.intra_node_gbps": "rl.plan_time._links",
     "resources.inter_node_gbps": "rl.plan_time._links",
