@@ -11,16 +11,21 @@ scores and LoRA's own matmuls left out) over all T tokens against `--peak-tflops
 rate; 0 leaves MFU out): mfu_6n = 6 N T / s (the usual training convention), mfu_4n = 4 N T / s (what LoRA
 training computes on the frozen base: forward and input gradients, no weight gradients).
 
+On GPUs the device memory in use is sampled through the timed steps (bench.grpo's DeviceMemory: every
+process on the GPU): `peak_gib`, beside `plan_peak_gib`, `sparkrl plan`'s trainer peak for the config.
+
     python -m bench.trainer RECIPE [key=value ...] --samples 32 --seq-len 1024 --peak-tflops 720
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
 
 from bench.common import Bench, main, median
+from bench.grpo import DeviceMemory
 
 
 def active_params(model_path: str) -> tuple[int, int]:
@@ -90,15 +95,17 @@ def measure(s, args) -> list[dict]:
     )
     advantages = np.random.default_rng(1).standard_normal(len(samples)).tolist()
     log_probs_s, train_s = [], []
-    for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        old, _ = s.trainer.log_probs(samples)
-        t1 = time.perf_counter()
-        s.trainer.train_step(samples, advantages, old)
-        t2 = time.perf_counter()
-        if step >= args.warmup:
-            log_probs_s.append(t1 - t0)
-            train_s.append(t2 - t1)
+    memory = DeviceMemory.on_gpus() if s.cfg.resources.num_gpus else None
+    with memory or contextlib.nullcontext():
+        for step in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            old, _ = s.trainer.log_probs(samples)
+            t1 = time.perf_counter()
+            s.trainer.train_step(samples, advantages, old)
+            t2 = time.perf_counter()
+            if step >= args.warmup:
+                log_probs_s.append(t1 - t0)
+                train_s.append(t2 - t1)
     tokens = args.samples * args.seq_len
     total, active = active_params(s.model_path)
     t = s.cfg.trainer
@@ -118,6 +125,11 @@ def measure(s, args) -> list[dict]:
         "train_step_s": median(train_s),
         "log_probs_s": median(log_probs_s),
     }
+    if memory is not None and memory.samples:
+        from rl.plan import make_plan
+
+        row["peak_gib"] = max(used for _, used in memory.samples) / 2**30
+        row["plan_peak_gib"] = make_plan(s.cfg, advise=False).t_peak / 2**30
     row["train_tokens_per_s"] = tokens / row["train_step_s"]
     row["log_probs_tokens_per_s"] = tokens / row["log_probs_s"]
     if args.peak_tflops:
@@ -152,6 +164,8 @@ BENCH = Bench(
         "log_probs_tokens_per_s",
         "mfu_6n",
         "mfu_4n",
+        "peak_gib",
+        "plan_peak_gib",
     ),
     measure=measure,
     add_args=_args,
