@@ -408,6 +408,15 @@ def _announce(sweep: Sweep, p: Point, state: str, rdir: Path) -> None:
     print(head + note.get(state, ""), flush=True)
 
 
+def launch_args(sweep: Sweep, p: Point, cfg, state: str, rdir: Path) -> tuple[str, list[str]]:
+    """What a point runs with, as `sparkrl train` takes it: the sweep's base recipe and the point's overrides;
+    for a point started before (`point_state`), its run directory, resumed at the sweep file's step count
+    (the one setting a resume may change)."""
+    if state == "started":
+        return str(rdir), [f"trainer.total_steps={cfg.trainer.total_steps}"]
+    return str(sweep.base), list(p.overrides)
+
+
 def run_local(sweep: Sweep, python: str = sys.executable, fail_fast: bool = False) -> dict[str, str]:
     """Each point in turn as `python -m rl train BASE overrides...` in this working directory (a point done
     before is skipped, one started before resumed: `point_state`).
@@ -422,18 +431,9 @@ def run_local(sweep: Sweep, python: str = sys.executable, fail_fast: bool = Fals
         if state == "done":
             status[str(rdir)] = "ok"
             continue
-        cmd = [python, "-m", "rl", "train", str(sweep.base), *p.overrides]
-        if state == "started":  # the sweep file's step count holds (a resume may change it alone)
-            cmd = [
-                python,
-                "-m",
-                "rl",
-                "train",
-                str(rdir),
-                "--resume",
-                f"trainer.total_steps={cfg.trainer.total_steps}",
-            ]
-        rc = run_forwarding_signals(cmd)
+        recipe, overrides = launch_args(sweep, p, cfg, state, rdir)
+        resume = ["--resume"] if state == "started" else []
+        rc = run_forwarding_signals([python, "-m", "rl", "train", recipe, *resume, *overrides])
         if rc in STOPPED_EXIT:
             status[str(run_dir(cfg))] = f"STOPPED by {STOPPED_EXIT[rc]}"
             print(
@@ -487,9 +487,7 @@ def run_submitted(sweep: Sweep, args: argparse.Namespace) -> dict[str, str]:
                 if state == "done":
                     status[str(rdir)], finished[p.index] = "ok", str(rdir)
                     continue
-                recipe, overrides = str(sweep.base), p.overrides
-                if state == "started":
-                    recipe, overrides = str(rdir), [f"trainer.total_steps={cfg.trainer.total_steps}"]
+                recipe, overrides = launch_args(sweep, p, cfg, state, rdir)
                 job = submit.submit_run(
                     client,
                     recipe,
