@@ -785,12 +785,26 @@ def _absolute_code_paths(cfg: SparkConfig, origin: dict[str, str], recipe: Path)
             return user_code.absolute_file(value, base(key))
         return value
 
-    rw, al = cfg.reward, cfg.algorithm
-    rw.function = fix("reward.function", rw.function)
-    rw.by_source = {k: fix("reward.by_source", v) for k, v in rw.by_source.items()}
-    al.adv_estimator = fix("algorithm.adv_estimator", al.adv_estimator)
-    al.policy_loss = fix("algorithm.policy_loss", al.policy_loss)
-    cfg.rollout.env = fix("rollout.env", cfg.rollout.env)
+    for key in CODE_KEYS:
+        section, leaf = key.split(".")
+        owner = getattr(cfg, section)
+        value = getattr(owner, leaf)
+        if isinstance(value, dict):  # reward.by_source: one a data source
+            setattr(owner, leaf, {k: fix(key, v) for k, v in value.items()})
+        else:
+            setattr(owner, leaf, fix(key, value))
+
+
+def code_values(cfg: SparkConfig) -> list[tuple[str, str]]:
+    """(override key, value) of every CODE_KEYS setting; reward.by_source gives one a data source
+    (`reward.by_source.<source>`)."""
+    out = []
+    for key in CODE_KEYS:
+        section, leaf = key.split(".")
+        value = getattr(getattr(cfg, section), leaf)
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        out += [(key if sub is None else f"{key}.{sub}", v) for sub, v in items]
+    return out
 
 
 def _type_problem(e: OmegaConfBaseException, given: dict[str, Any]) -> str:

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl.config import CODE_KEYS, ConfigError, find_recipe
+from rl.config import ConfigError, code_values, find_recipe
 from rl.core import user_code
 
 # The checkout this code runs from: what gets uploaded (None for a non-editable install).
@@ -233,17 +233,6 @@ def job_run_dir(cfg, runs_root: str | Path | None) -> Path:
     return (Path(runs_root) if runs_root else Path("runs")).absolute() / cfg.run.name
 
 
-def _code_values(cfg) -> list[tuple[str, str]]:
-    """(override key, value) of every CODE_KEYS setting; reward.by_source one a data source."""
-    out = []
-    for key in CODE_KEYS:
-        section, leaf = key.split(".")
-        value = getattr(getattr(cfg, section), leaf)
-        items = value.items() if isinstance(value, dict) else [(None, value)]
-        out += [(key if sub is None else f"{key}.{sub}", v) for sub, v in items]
-    return out
-
-
 def _mlflow_uri(uri: str) -> str | None:
     """A tracking URI of a relative local path (sqlite:///mlflow.db, file:mlruns, a bare directory) made
     absolute here; None for a server or an absolute path."""
@@ -277,7 +266,7 @@ def _job_paths(cfg, working_dir: Path | None, files: frozenset[Path] | None) -> 
         path, sep, query = getattr(getattr(cfg, section), leaf).partition("?")
         if path and Path(path).expanduser().exists():
             overrides.append(f"{key}={job_name(key, Path(path))}{sep}{query}")
-    for key, value in _code_values(cfg):
+    for key, value in code_values(cfg):
         if user_code.is_import_path(value) and user_code.problem(value) is None:
             target, name = user_code.split(value)
             if user_code.is_file(target):
