@@ -502,3 +502,20 @@ def test_a_cached_hub_dataset_passes_without_the_hub(hf_env, monkeypatch):
         len(problems) == 1 and "in several configs (default, other), and the spec names none" in problems[0]
     )
     preflight(_cfg("data.train=sparkrl-test/AIME-2024?config=other"))
+
+
+def test_a_colocated_kv_cache_too_small_for_one_sequence_is_named_before_ray():
+    """Colocated on GPUs the engine's KV cache is what the plan leaves of gpu_memory_utilization: a share
+    that leaves less than one sequence is one line naming the key, not an engine dying at start."""
+    from rl.preflight import kv_cache_problems
+
+    assert kv_cache_problems(load_config("recipes/gpu_demo.yaml")) == []
+    for recipe in ("qwen3_30b_a3b_1gpu", "muse_spark_open_dapo_lora"):  # the shipped colocated GPU recipes
+        assert kv_cache_problems(load_config(recipe)) == [], recipe
+    (line,) = kv_cache_problems(load_config("recipes/gpu_demo.yaml", ["rollout.gpu_memory_utilization=0.01"]))
+    assert line.startswith("rollout.gpu_memory_utilization: 0.01 of a 80 GiB GPU leaves 0.00 GiB of KV cache")
+    assert line.endswith("one 288-token sequence needs 0.3 MiB: raise it (`sparkrl plan` shows the split)")
+    split = load_config(
+        "recipes/gpu_demo.yaml", ["rollout.gpu_memory_utilization=0.01", "resources.num_gpus=0"]
+    )
+    assert kv_cache_problems(split) == []  # no sleep mode: vLLM sizes its cache itself
