@@ -38,13 +38,52 @@ def quantizer_for(src: str | os.PathLike):
     return _NVFP4Quantizer(src, list(family.quantize_ignore) if family else [])
 
 
+# What a hub checkpoint's snapshot needs for quantizing: weights, configs, tokenizer, chat template, custom code.
+HUB_FILES = ["*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
+
+
+def model_dir(src: str | os.PathLike) -> Path:
+    """`src` as a local model directory: the directory itself, or, for a Hugging Face hub id (`owner/name`), its
+    snapshot in the local Hugging Face cache, fetched first where the cache lacks files (HF_HUB_OFFLINE=1:
+    the cache alone)."""
+    from rl.preflight import _looks_local, hub_cache_dir, hub_offline
+
+    path = Path(src).expanduser()
+    if path.exists() or _looks_local(str(src)) or str(src).count("/") != 1:
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    offline = hub_offline()
+    if not offline:
+        print(f"quantize: fetching {src} from the Hugging Face hub into {hub_cache_dir()}", flush=True)
+    try:
+        return Path(
+            snapshot_download(
+                str(src), allow_patterns=HUB_FILES, cache_dir=hub_cache_dir(), local_files_only=offline
+            )
+        )
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        where = (
+            "in the local Hugging Face cache (HF_HUB_OFFLINE is set)"
+            if offline
+            else "on the Hugging Face hub"
+        )
+        raise FileNotFoundError(
+            f"{src} is neither a local model directory nor a model found {where}: {str(e).splitlines()[0]}"
+        ) from None
+
+
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, scheme: str = "nvfp4") -> Path:
-    """Writes the quantized checkpoint (config, tokenizer and all other files copied) to `dst`."""
+    """Writes the quantized checkpoint (config, tokenizer and all other files copied) to `dst`; `src`: a
+    model directory or a Hugging Face hub id (`model_dir`)."""
     from trainer.nvfp4 import _convert_atomically
 
     if scheme not in SCHEMES:
         raise ValueError(f"quantize: --scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-    return _convert_atomically(src, dst, quantizer_for)
+    if Path(dst).exists():  # before a download of the source
+        raise FileExistsError(f"{dst} exists; not overwriting it")
+    return _convert_atomically(model_dir(src), dst, quantizer_for)
 
 
 def quantized_copy(src: str | os.PathLike, scheme: str = "nvfp4") -> Path:
@@ -73,7 +112,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "quantize", help="write a weight-only NVFP4 (compressed-tensors) copy of a checkpoint"
     )
-    p.add_argument("src", help="Hugging Face model directory")
+    p.add_argument("src", help="a model directory, or a Hugging Face hub id (fetched into the local cache)")
     p.add_argument("dst", help="directory to write the quantized model to (must not exist)")
     p.add_argument("--scheme", choices=SCHEMES, default="nvfp4")
     p.set_defaults(func=_run)

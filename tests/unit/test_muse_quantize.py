@@ -91,6 +91,32 @@ def test_quantize_refuses_unknown_schemes_and_existing_outputs(tmp_path, tiny_de
         quantize(tiny_dense_path, tmp_path / "taken")
 
 
+def test_quantize_takes_a_hub_id_from_the_hugging_face_cache(tmp_path, tiny_dense_path, monkeypatch):
+    """`sparkrl quantize owner/name DST`: the hub id resolves to its snapshot in the local cache (here offline, a
+    cache laid out as huggingface_hub lays it out); one the cache lacks is one line naming it."""
+    import shutil
+
+    from rl.quantize import quantize
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    shutil.copytree(tiny_dense_path, repo / "snapshots" / ("a" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = quantize("org/tiny", tmp_path / "q")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    assert config["hidden_size"] == json.loads((tiny_dense_path / "config.json").read_text())["hidden_size"]
+    with pytest.raises(
+        FileNotFoundError,
+        match="org/missing is neither a local model directory nor a model found "
+        "in the local Hugging Face cache",
+    ):
+        quantize("org/missing", tmp_path / "q2")
+    assert not (tmp_path / "q2").exists()
+
+
 def test_register_adds_the_quantize_subcommand():
     from rl.quantize import register
 
