@@ -422,7 +422,7 @@ def kv_cache_problems(cfg: SparkConfig) -> list[str]:
     """Colocated on GPUs, an engine's KV cache is what the plan leaves of rollout.gpu_memory_utilization
     (rl.setup.engine_spec); it must hold one sequence of the engine's context, or the engine dies at start."""
     ro = cfg.rollout
-    if not cfg.resources.num_gpus or ro.placement != "colocated":
+    if not cfg.resources.num_gpus or ro.placement != "colocated" or "kv_cache_memory_bytes" in ro.engine_args:
         return []
     from rl.plan import make_plan
 

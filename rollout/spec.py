@@ -44,9 +44,8 @@ class EngineSpec:
     # of KV cache for a 0.55 x 80 GiB budget beside 21 GiB of weights), which the trainer beside it cannot
     # spare. 0: vLLM's profile sizes it.
     non_kv_bytes: int = 0
-    gpu_bytes: int = (
-        0  # the GPU's memory as resources.gpu_memory_gib says, where the engine's process sees none
-    )
+    # the GPU's memory as resources.gpu_memory_gib says, for an engine whose own process sees no GPU
+    gpu_bytes: int = 0
     # LoRA on a Hopper GPU: the single-slice lora_expand kernel's N block (vLLM's 128 gives NaN on sm90);
     # 0 leaves vLLM's configs. Not a `vllm.LLM` argument: vLLM's tuned-config folder (rollout/lora_kernels.py).
     hopper_lora_expand_block_n: int = 32

@@ -144,7 +144,7 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | No
             kw["scheduler_cls"] = SCHEDULER
     if spec.enable_sleep_mode:
         kw["enable_sleep_mode"] = True
-    if spec.non_kv_bytes:
+    if spec.non_kv_bytes and "kv_cache_memory_bytes" not in spec.rollout.engine_args:
         kw["kv_cache_memory_bytes"] = kv_cache_bytes(spec)
     backend = spec.rollout.moe_backend
     # NVFP4 experts with LoRA: vLLM's MoE-LoRA path works with Marlin's weight-only FP4 on Hopper;
@@ -169,11 +169,11 @@ def kv_cache_bytes(spec: EngineSpec) -> int:
             total = current_platform.get_device_total_memory(0)
         except Exception:  # no GPU visible to this process
             pass
-    ro = spec.rollout
-    kv = int(ro.gpu_memory_utilization * total) - spec.non_kv_bytes
+    share = spec.rollout.engine_args.get("gpu_memory_utilization", spec.rollout.gpu_memory_utilization)
+    kv = int(share * total) - spec.non_kv_bytes
     if kv <= 0:
         raise ValueError(
-            f"rollout.gpu_memory_utilization {ro.gpu_memory_utilization} of a {total / 2**30:.1f} GiB GPU "
+            f"rollout.gpu_memory_utilization {share} of a {total / 2**30:.1f} GiB GPU "
             f"leaves no KV cache beside the {spec.non_kv_bytes / 2**30:.1f} GiB of weights, LoRA slot, "
             "activations and runtime `sparkrl plan` counts; raise rollout.gpu_memory_utilization"
         )

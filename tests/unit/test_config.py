@@ -372,8 +372,11 @@ def test_a_colocated_engine_sizes_its_kv_cache_beside_what_the_plan_counts(tmp_p
     none = engine_spec(load_config("recipes/gpu_demo.yaml", ["rollout.gpu_memory_utilization=0.01"]), "/m")
     with pytest.raises(ValueError, match="leaves no KV cache.*raise rollout.gpu_memory_utilization"):
         engine_kwargs(none, info)
-    mine = load_config("recipes/gpu_demo.yaml", ["rollout.engine_args={kv_cache_memory_bytes: 1073741824}"])
-    assert engine_kwargs(engine_spec(mine, "/m"), info)["kv_cache_memory_bytes"] == 2**30
+    mine = load_config(
+        "recipes/gpu_demo.yaml",
+        ["rollout.gpu_memory_utilization=0.01", "rollout.engine_args={kv_cache_memory_bytes: 1073741824}"],
+    )
+    assert engine_kwargs(engine_spec(mine, "/m"), info)["kv_cache_memory_bytes"] == 2**30  # one's own size
     cpu = engine_spec(load_config(recipe(tmp_path)), "/m")  # no sleep mode: vLLM sizes it
     assert cpu.non_kv_bytes == 0 and "kv_cache_memory_bytes" not in engine_kwargs(cpu, info)
 

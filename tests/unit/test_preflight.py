@@ -515,6 +515,8 @@ def test_a_colocated_kv_cache_too_small_for_one_sequence_is_named_before_ray():
     (line,) = kv_cache_problems(load_config("recipes/gpu_demo.yaml", ["rollout.gpu_memory_utilization=0.01"]))
     assert line.startswith("rollout.gpu_memory_utilization: 0.01 of a 80 GiB GPU leaves 0.00 GiB of KV cache")
     assert line.endswith("one 288-token sequence needs 0.3 MiB: raise it (`sparkrl plan` shows the split)")
+    own = ["rollout.gpu_memory_utilization=0.01", "rollout.engine_args={kv_cache_memory_bytes: 1073741824}"]
+    assert kv_cache_problems(load_config("recipes/gpu_demo.yaml", own)) == []  # a size of one's own
     split = load_config(
         "recipes/gpu_demo.yaml", ["rollout.gpu_memory_utilization=0.01", "resources.num_gpus=0"]
     )
