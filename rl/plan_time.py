@@ -80,25 +80,31 @@ class Rate:
     active_params: float = 0.0  # of the model a FLOP rate was measured on (0: not recorded)
 
 
-def rate(kind: str, name: str, ranks: int = 0, rates: dict | None = None) -> Rate:
+def rate(kind: str, name: str, ranks: int = 0, rates: dict | None = None, active: float = 0.0) -> Rate:
     """A figure of the device kind: `name@<ranks>` where the file has it (CPU ranks share the cores), else
-    `name`, else the figure at the fewest ranks measured."""
+    `name`, else the figure at the fewest ranks measured. A FLOP rate may also hold the same figure measured
+    on models of other sizes (`by_size`): for a model of `active` active parameters, the one measured
+    nearest its size (by ratio)."""
     table = (rates or load_rates())["devices"][kind]["rates"]
     per_ranks = sorted((k for k in table if k.startswith(name + "@")), key=lambda k: int(k.split("@")[1]))
     key = next((k for k in (f"{name}@{ranks}", name, *per_ranks) if k in table), name)
     f = table[key]
+    if active and f.get("by_size"):
+        f = min([f, *f["by_size"]], key=lambda g: abs(math.log(active / g["active_params"])))
     measured = f["kind"] == "measured"
     src = f"{f['command']} ({f['date']})" if measured else f["source"]
     return Rate(key, float(f["value"]), measured, src, float(f.get("active_params", 0.0)))
 
 
-def optional_rate(kind: str, name: str, ranks: int = 0, rates: dict | None = None) -> Rate | None:
+def optional_rate(
+    kind: str, name: str, ranks: int = 0, rates: dict | None = None, active: float = 0.0
+) -> Rate | None:
     """`rate`, or None where the device kind's table lacks the figure (the per-call costs bench.rates
     measures on a GPU: a kind without them is timed by its FLOP and byte rates alone)."""
     table = (rates or load_rates())["devices"][kind]["rates"]
     if not any(k == name or k.startswith(name + "@") for k in table):
         return None
-    return rate(kind, name, ranks, rates)
+    return rate(kind, name, ranks, rates, active)
 
 
 @dataclass
@@ -184,16 +190,16 @@ def estimate_step(
         + (f"{R:g} tokens (given)" if response_len else f"rollout.max_response_len {R} (the bound)")
     )
     est = StepTime(kind, Lp, R, "; ".join(why), overlapped=ro.max_staleness > 0)
-    r = lambda name, n=0: est.rates.setdefault(name + (f"@{n}" if n else ""), rate(kind, name, n, rates))  # noqa: E731
+    N = active_params(s)
+    r = lambda name, n=0: est.rates.setdefault(name + (f"@{n}" if n else ""), rate(kind, name, n, rates, N))  # noqa: E731
 
     def o(name: str, n: int = 0) -> Rate | None:
-        f = optional_rate(kind, name, n, rates)
+        f = optional_rate(kind, name, n, rates, N)
         if f is not None:
             est.rates.setdefault(name + (f"@{n}" if n else ""), f)
         return f
 
     wbytes = plan.weight_bytes
-    N = active_params(s)
     S = cfg.data.train_batch_size * ro.n
     gpus = bool(res.num_gpus)
 

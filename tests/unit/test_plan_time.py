@@ -22,7 +22,7 @@ def test_rates_file_schema():
     rates = plan_time.load_rates()
     for kind in plan_time.DEVICE_KINDS:
         table = rates["devices"][kind]["rates"]
-        for name, f in table.items():
+        for name, f in [(n, g) for n, e in table.items() for g in (e, *e.get("by_size", []))]:
             assert f["kind"] in ("measured", "assumed"), (kind, name)
             assert isinstance(f["value"], (int, float)) and f["value"] >= 0, (kind, name)
             if f["kind"] == "measured":
@@ -77,7 +77,8 @@ def test_link_across_nodes_is_infiniband():
 
 def test_measured_and_assumed_labels():
     est = _est(MUSE)
-    assert est.rates["train_tflops"].measured and not est.rates["inter_node_gbps"].measured
+    assert est.rates["decode_tflops"].measured and not est.rates["inter_node_gbps"].measured
+    assert not est.rates["train_tflops"].measured  # the H100's full-width figure, assumed for the H200
     text = "\n".join(plan_time.format_time(est))
     assert "measured: " in text and "assumed: " in text and "bottleneck:" in text
 
@@ -201,7 +202,7 @@ def test_a_flop_rate_measured_on_another_model_size_is_noted():
     """The plan says when a FLOP rate comes from a model of another size (the rates file records it):
     Muse's 44B active parameters on rates from a 0.69B bench model, but not the demo on its own rates."""
     muse = "\n".join(_est(MUSE).notes)
-    assert "train_tflops was measured on a model of 0.69B active parameters, this one has 44" in muse
+    assert "train_tflops was measured on a model of 3.03B active parameters, this one has 44" in muse
     demo = _est("recipes/demo_cpu.yaml")
     assert not any("was measured on a model of" in n for n in demo.notes)
     assert demo.rates["train_tflops@2"].active_params > 0
@@ -254,3 +255,30 @@ def test_record_takes_a_runs_own_overrides_in_place_of_the_defaults(tmp_path):
     runs.joinpath("gpu_demo_h200.overrides").write_text("resources.device\n")
     with pytest.raises(SystemExit, match="expected key=value"):
         bench_rates.main(args)
+
+
+def test_a_flop_rate_measured_at_several_sizes_is_taken_nearest_the_planned_model():
+    """train_tflops on the h100 was measured on a 0.69B-active bench model and at full width (3.03B active):
+    each model is timed with the figure measured nearest its size, by ratio."""
+    near = lambda active: plan_time.rate("h100-80gb", "train_tflops", active=active)  # noqa: E731
+    assert near(0.0).value == near(1.0e9).value == near(0.1e9).value  # the table's own figure
+    assert near(2.0e9).value == near(44e9).value != near(1.0e9).value  # the full-width one
+    assert near(2.0e9).active_params == 3028886272.0 and near(2.0e9).measured
+    muse = _est(MUSE)  # the reference recipe on the h200: the full-width figure, assumed from the H100's
+    assert (
+        muse.rates["train_tflops"].active_params == 3028886272.0 and not muse.rates["train_tflops"].measured
+    )
+    slower = plan_time.estimate_step(
+        load_config(MUSE), make_plan(load_config(MUSE), advise=False), rates=_without_by_size()
+    )
+    assert muse.phases["train passes"] < slower.phases["train passes"]
+
+
+def _without_by_size() -> dict:
+    import copy
+
+    rates = copy.deepcopy(plan_time.load_rates())
+    for device in rates["devices"].values():
+        for f in device["rates"].values():
+            f.pop("by_size", None)
+    return rates
