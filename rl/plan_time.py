@@ -78,33 +78,47 @@ class Rate:
     measured: bool
     source: str  # "command, date" (measured) or the source it is assumed from
     active_params: float = 0.0  # of the model a FLOP rate was measured on (0: not recorded)
+    hidden_size: int = 0  # of that model's layers (0: not recorded)
 
 
-def rate(kind: str, name: str, ranks: int = 0, rates: dict | None = None, active: float = 0.0) -> Rate:
+def rate(
+    kind: str, name: str, ranks: int = 0, rates: dict | None = None, active: float = 0.0, hidden: int = 0
+) -> Rate:
     """A figure of the device kind: `name@<ranks>` where the file has it (CPU ranks share the cores), else
     `name`, else the figure at the fewest ranks measured. A FLOP rate may also hold the same figure measured
-    on models of other sizes (`by_size`): for a model of `active` active parameters, the one measured
-    nearest its size (by ratio)."""
+    on models of other sizes (`by_size`): for a model of hidden size `hidden` (the matmuls' shapes set the
+    rate), the one measured at the nearest hidden size, by ratio; where a figure lacks its hidden size, the
+    one nearest in active parameters (`active`)."""
     table = (rates or load_rates())["devices"][kind]["rates"]
     per_ranks = sorted((k for k in table if k.startswith(name + "@")), key=lambda k: int(k.split("@")[1]))
     key = next((k for k in (f"{name}@{ranks}", name, *per_ranks) if k in table), name)
     f = table[key]
-    if active and f.get("by_size"):
-        f = min([f, *f["by_size"]], key=lambda g: abs(math.log(active / g["active_params"])))
+    figures = [f, *f.get("by_size", [])]
+    if hidden and all(g.get("hidden_size") for g in figures):
+        f = min(figures, key=lambda g: abs(math.log(hidden / g["hidden_size"])))
+    elif active and len(figures) > 1:
+        f = min(figures, key=lambda g: abs(math.log(active / g["active_params"])))
     measured = f["kind"] == "measured"
     src = f"{f['command']} ({f['date']})" if measured else f["source"]
-    return Rate(key, float(f["value"]), measured, src, float(f.get("active_params", 0.0)))
+    return Rate(
+        key,
+        float(f["value"]),
+        measured,
+        src,
+        float(f.get("active_params", 0.0)),
+        int(f.get("hidden_size", 0)),
+    )
 
 
 def optional_rate(
-    kind: str, name: str, ranks: int = 0, rates: dict | None = None, active: float = 0.0
+    kind: str, name: str, ranks: int = 0, rates: dict | None = None, active: float = 0.0, hidden: int = 0
 ) -> Rate | None:
     """`rate`, or None where the device kind's table lacks the figure (the per-call costs bench.rates
     measures on a GPU: a kind without them is timed by its FLOP and byte rates alone)."""
     table = (rates or load_rates())["devices"][kind]["rates"]
     if not any(k == name or k.startswith(name + "@") for k in table):
         return None
-    return rate(kind, name, ranks, rates, active)
+    return rate(kind, name, ranks, rates, active, hidden)
 
 
 @dataclass
@@ -191,10 +205,13 @@ def estimate_step(
     )
     est = StepTime(kind, Lp, R, "; ".join(why), overlapped=ro.max_staleness > 0)
     N = active_params(s)
-    r = lambda name, n=0: est.rates.setdefault(name + (f"@{n}" if n else ""), rate(kind, name, n, rates, N))  # noqa: E731
+    H = s.hidden
+    r = lambda name, n=0: est.rates.setdefault(  # noqa: E731
+        name + (f"@{n}" if n else ""), rate(kind, name, n, rates, N, H)
+    )
 
     def o(name: str, n: int = 0) -> Rate | None:
-        f = optional_rate(kind, name, n, rates, N)
+        f = optional_rate(kind, name, n, rates, N, H)
         if f is not None:
             est.rates.setdefault(name + (f"@{n}" if n else ""), f)
         return f
@@ -307,8 +324,14 @@ def estimate_step(
         else:
             est.notes.append("not timed: the colocated engines' sleep and wake around the trainer's phases")
     for name, f in est.rates.items():
-        # a FLOP rate grows with the matmuls' sizes: one measured on a much smaller or larger model may not hold
-        if f.active_params and not 1 / 3 <= N / f.active_params <= 3:
+        # a FLOP rate grows with the matmuls' sizes: one measured on layers of another width, or (where the
+        # width is not recorded) on a much smaller or larger model, may not hold
+        if f.hidden_size and f.hidden_size != H:
+            est.notes.append(
+                f"{name} was measured on layers of hidden size {f.hidden_size:,}, this model's are {H:,}: FLOP "
+                "rates change with the matmuls' sizes"
+            )
+        elif not f.hidden_size and f.active_params and not 1 / 3 <= N / f.active_params <= 3:
             est.notes.append(
                 f"{name} was measured on a model of {f.active_params / 1e9:.3g}B active parameters, this one has "
                 f"{N / 1e9:.3g}B: FLOP rates change with the matmuls' sizes"

@@ -202,7 +202,8 @@ def test_a_flop_rate_measured_on_another_model_size_is_noted():
     """The plan says when a FLOP rate comes from a model of another size (the rates file records it):
     Muse's 44B active parameters on rates from a 0.69B bench model, but not the demo on its own rates."""
     muse = "\n".join(_est(MUSE).notes)
-    assert "train_tflops was measured on a model of 3.03B active parameters, this one has 44" in muse
+    assert "decode_tflops was measured on layers of hidden size 2,048, this model's are 8,192" in muse
+    assert "train_tflops" not in muse  # measured on Muse Spark Open's own layer width
     demo = _est("recipes/demo_cpu.yaml")
     assert not any("was measured on a model of" in n for n in demo.notes)
     assert demo.rates["train_tflops@2"].active_params > 0
@@ -257,20 +258,20 @@ def test_record_takes_a_runs_own_overrides_in_place_of_the_defaults(tmp_path):
         bench_rates.main(args)
 
 
-def test_a_flop_rate_measured_at_several_sizes_is_taken_nearest_the_planned_model():
-    """train_tflops on the h100 was measured on a 0.69B-active bench model and at full width (3.03B active):
-    each model is timed with the figure measured nearest its size, by ratio."""
-    near = lambda active: plan_time.rate("h100-80gb", "train_tflops", active=active)  # noqa: E731
-    assert near(0.0).value == near(1.0e9).value == near(0.1e9).value  # the table's own figure
-    assert near(2.0e9).value == near(44e9).value != near(1.0e9).value  # the full-width one
-    assert near(2.0e9).active_params == 3028886272.0 and near(2.0e9).measured
+def test_a_flop_rate_measured_at_several_widths_is_taken_nearest_the_planned_model():
+    """train_tflops on the h100 was measured on the 2,048-wide bench model and on Muse Spark Open's 8,192-wide
+    layer: each model is timed with the figure measured nearest its layers' width, by ratio (the matmuls'
+    shapes set the rate); Qwen3-30B-A3B (2,048 wide, 3B active) takes the bench model's."""
+    near = lambda hidden: plan_time.rate("h100-80gb", "train_tflops", active=1e9, hidden=hidden)  # noqa: E731
+    assert near(256).value == near(2048).value == near(3000).value == 265
+    assert near(5000).value == near(8192).value == 465 and near(8192).measured
+    assert near(8192).hidden_size == 8192 and near(8192).active_params == 3028886272.0
+    assert plan_time.rate("h100-80gb", "train_tflops").value == 265  # no model given: the table's own
     muse = _est(MUSE)  # the reference recipe on the h200: the full-width figure, assumed from the H100's
-    assert (
-        muse.rates["train_tflops"].active_params == 3028886272.0 and not muse.rates["train_tflops"].measured
-    )
-    slower = plan_time.estimate_step(
-        load_config(MUSE), make_plan(load_config(MUSE), advise=False), rates=_without_by_size()
-    )
+    assert muse.rates["train_tflops"].hidden_size == 8192 and not muse.rates["train_tflops"].measured
+    assert _est("recipes/qwen3_30b_a3b_1gpu.yaml").rates["train_tflops"].hidden_size == 2048
+    cfg = load_config(MUSE)
+    slower = plan_time.estimate_step(cfg, make_plan(cfg, advise=False), rates=_without_by_size())
     assert muse.phases["train passes"] < slower.phases["train passes"]
 
 
