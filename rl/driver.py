@@ -211,19 +211,27 @@ class Run:
                 self.log.event(f"[yellow]step {step}: {e}; generating the batch again")
                 self.monitor.load_state_dict(monitor_before)
                 if self.colocated:
-                    self.rollout.wake_up()
+                    self._wake_engines()
                 batch, generated = ahead.again(batch)
         clock.train_done = time.perf_counter()
         overlap = ahead.overlap_s(clock.rollout_done, clock.train_done)
         # 6. The new policy for the batches that need it; at k = 0 onto the engines now.
         if self.colocated:
-            self.rollout.wake_up()
+            self._wake_engines()
         lag = self.version - batch.version
         self.version += 1
         ahead.publish(self.version, self._export_weights())
         loaded = ahead.load(self.version) if ahead.k == 0 else {}
         clock.end = time.perf_counter()
         return self._step_metrics(step, generated, update, loaded, clock, lag, overlap)
+
+    def _wake_engines(self) -> None:
+        """Hand the GPUs back to the colocated engines: the trainer ranks first return their cached free
+        blocks (PyTorch keeps the update's peak reserved, and the engines' weights and KV cache come back into
+        that memory: `sparkrl plan`'s rollout phase counts the trainer's resident state alone), then the
+        engines wake."""
+        self.trainer.release_cached_memory()
+        self.rollout.wake_up()
 
     def _step_metrics(
         self,

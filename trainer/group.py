@@ -270,6 +270,11 @@ class TrainerGroup:
         self._get(refs[1:], ranks=list(range(1, len(refs))))
         return refs[0]
 
+    def release_cached_memory(self) -> list[int]:
+        """Every rank's cached free GPU blocks returned to the device (TrainerWorker.release_cached_memory);
+        the bytes each rank still reserves."""
+        return self._on_all("release_cached_memory")
+
     def gradients(self) -> dict[str, torch.Tensor]:
         return self._on_all("gradients")[0]
 

@@ -767,6 +767,15 @@ class TrainerWorker:
         a rank that crashed left why, for the lost rank's message."""
         return stderr_path()
 
+    def release_cached_memory(self) -> int:
+        """Returns the caching allocator's free blocks to the device (torch.cuda.empty_cache): a colocated
+        engine wakes into that memory, and PyTorch would otherwise keep the update's peak reserved. The bytes
+        this rank still reserves (0 without CUDA)."""
+        if not torch.cuda.is_available():
+            return 0
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved()
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.barrier()

@@ -221,3 +221,23 @@ def test_a_run_with_evaluation_on_and_no_eval_data_is_told_before_it_starts():
     notice = eval_notice(_cfg("eval.data="))
     assert notice and "eval.every=5 but eval.data is not set" in notice
     assert eval_notice(_cfg("eval.data=", "eval.every=0")) is None
+
+
+def test_colocated_engines_wake_after_the_trainer_returns_its_cached_memory():
+    """The engines' weights and KV cache come back into the memory the trainer's update peaked in, which
+    PyTorch's caching allocator keeps reserved unless returned. The sleep mode and the CUDA allocator need a
+    GPU, so the rollout pool and the trainer group here are recorders of the calls, in order."""
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getattr__(self, method):
+            return lambda *a, **k: calls.append(f"{self.name}.{method}")
+
+    run = _bare_run()
+    run.trainer, run.rollout = Recorder("trainer"), Recorder("rollout")
+    run._wake_engines()
+    assert calls == ["trainer.release_cached_memory", "rollout.wake_up"]
+
