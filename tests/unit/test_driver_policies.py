@@ -240,4 +240,3 @@ def test_colocated_engines_wake_after_the_trainer_returns_its_cached_memory():
     run.trainer, run.rollout = Recorder("trainer"), Recorder("rollout")
     run._wake_engines()
     assert calls == ["trainer.release_cached_memory", "rollout.wake_up"]
-
