@@ -29,6 +29,9 @@ def test_rates_file_schema():
                 assert str(f["date"])[:2] == "20" and f["command"], (kind, name)
             else:
                 assert f["source"], (kind, name)
+        for name, f in table.items():
+            for g in f.get("by_size", []):  # taken by hidden size, else by active parameters
+                assert g["hidden_size"] > 0 and g["active_params"] > 0 and f.get("hidden_size"), (kind, name)
     for run in rates["runs"]:
         assert run["date"] and run["command"] and run["step_s"] > 0
 
