@@ -53,6 +53,14 @@ from rl.models import registry
 GiB = 2**30
 NVFP4_BYTES = 0.5 + 1 / 16  # FP4 values plus one FP8 scale per 16 (the per-tensor global scale is negligible)
 VLLM_BATCHED_TOKENS = 16384  # vLLM's max_num_batched_tokens for the LLM class on a large GPU
+
+
+def engine_setting(ro, key: str, default=None):
+    """A vLLM setting as the engine gets it: `rollout.engine_args`' value over the `rollout:` key of that
+    name (rollout.worker.engine_kwargs passes engine_args last), else `default`."""
+    return ro.engine_args[key] if key in ro.engine_args else getattr(ro, key, default)
+
+
 RUNTIME_BYTES = 1 * GiB  # CUDA context, allocator slack, NCCL buffers: per process on a GPU
 CUDA_GRAPH_BYTES = 1 * GiB
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -435,6 +443,7 @@ class Plan:
     tp: int
     engines: int
     context: int
+    batched_tokens: int  # vLLM's max_num_batched_tokens: a forward's tokens, what its activations hold
     r_weights: float
     r_lora: float
     r_activations: float
@@ -580,6 +589,21 @@ def trainer_activations(cfg, s: ModelShape, tokens: int, abytes: int) -> float:
     return kept + work + _logits_bytes(logits_tokens(cfg, tokens), s.vocab, abytes, cfg.rollout.top_p < 1)
 
 
+def colocated_engine_plan(cfg) -> Plan | None:
+    """The plan a colocated engine's KV cache is sized from on GPUs (rl.setup.engine_spec; the preflight's
+    check), or None where vLLM's own profile sizes it: no sleep mode (CPU, split placement), a KV size of
+    one's own in `rollout.engine_args`, a model the planner cannot size, or weights in a format it does not
+    count byte for byte (only NVFP4 and model.dtype)."""
+    ro = cfg.rollout
+    if not cfg.resources.num_gpus or ro.placement != "colocated" or "kv_cache_memory_bytes" in ro.engine_args:
+        return None
+    try:
+        p = make_plan(cfg, advise=False)
+    except ValueError:
+        return None
+    return p if p.rollout_format in ("nvfp4", cfg.model.dtype) else None
+
+
 def make_plan(cfg, gpu_gib: float | None = None, quantized: bool = False, advise: bool = True) -> Plan:
     """The plan of `cfg` on GPUs of `gpu_gib` GiB (default resources.gpu_memory_gib). `quantized`: as if
     model.path were its NVFP4 twin (`sparkrl quantize`); `advise`: re-plan each suggested change and keep
@@ -597,22 +621,27 @@ def make_plan(cfg, gpu_gib: float | None = None, quantized: bool = False, advise
     # ---- rollout ----
     p = s.params
     stored = stored_bytes(p, fmt, wbytes)
-    context = ro.max_model_len or ro.max_prompt_len + max(ro.max_response_len, cfg.eval.max_response_len)
+    context = engine_setting(ro, "max_model_len") or ro.max_prompt_len + max(
+        ro.max_response_len, cfg.eval.max_response_len
+    )
     lora_gpu = rollout_lora_params(cfg, s, tp) if cfg.sync.mode == "adapter" else 0.0
     on_gpu = res.num_gpus > 0
     # On CPU there is no CUDA context, and vLLM's KV cache is a fixed size of its own (cpu_kvcache_gb).
-    runtime = (RUNTIME_BYTES + (0 if ro.enforce_eager else CUDA_GRAPH_BYTES)) if on_gpu else 0
+    eager = engine_setting(ro, "enforce_eager")
+    runtime = (RUNTIME_BYTES + (0 if eager else CUDA_GRAPH_BYTES)) if on_gpu else 0
+    batched = engine_setting(ro, "max_num_batched_tokens", VLLM_BATCHED_TOKENS)
+    seqs = engine_setting(ro, "max_num_seqs")
     r_act = (
-        _layer_working_set(s, VLLM_BATCHED_TOKENS, wbytes, tp) + ro.max_num_seqs * s.vocab / tp * 4
+        _layer_working_set(s, batched, wbytes, tp) + seqs * s.vocab / tp * 4
     )  # the sampler's fp32 logits, one row a sequence
     r_weights, r_lora = stored / tp, lora_gpu * wbytes
     if on_gpu:
-        budget = ro.gpu_memory_utilization * G
+        budget = engine_setting(ro, "gpu_memory_utilization") * G
     else:
         budget = r_weights + r_lora + r_act + ro.cpu_kvcache_gb * GiB  # 0: vLLM sizes it from host memory
     kv_seq = _kv_bytes_per_token_layer(s, tp, wbytes) * s.layer_tokens(context)
     kv_room = budget - r_weights - r_lora - r_act - runtime
-    wanted = min(ro.max_num_seqs, math.ceil(cfg.data.train_batch_size * ro.n / ro.num_workers))
+    wanted = min(seqs, math.ceil(cfg.data.train_batch_size * ro.n / ro.num_workers))
 
     # ---- trainer ----
     ranks = tr.num_ranks
@@ -634,6 +663,7 @@ def make_plan(cfg, gpu_gib: float | None = None, quantized: bool = False, advise
         tp=tp,
         engines=ro.num_workers,
         context=context,
+        batched_tokens=batched,
         r_weights=r_weights,
         r_lora=r_lora,
         r_activations=r_act,
@@ -718,7 +748,7 @@ def _judge(p: Plan, cfg) -> None:
             ok,
             f"needs {gib(p.r_total_min)} for one {p.context:,}-token sequence "
             f"within its {gib(p.r_budget)} (gpu_memory_utilization "
-            f"{ro.gpu_memory_utilization:g})",
+            f"{engine_setting(ro, 'gpu_memory_utilization'):g})",
         )
     )
     if not ok:
@@ -1077,7 +1107,7 @@ def format_plan(p: Plan, recipe: str = "") -> str:
         else "none (sync.mode merged: vLLM runs without LoRA)"
     )
     lines.append(f"  LoRA slot    {g(p.r_lora)}   {lora_note}")
-    lines.append(f"  activations  {g(p.r_activations)}   {VLLM_BATCHED_TOKENS:,} batched tokens")
+    lines.append(f"  activations  {g(p.r_activations)}   {p.batched_tokens:,} batched tokens")
     lines.append(f"  runtime      {g(p.r_runtime)}")
     kv_known = p.num_gpus or p.kv_room > 0
     if p.num_gpus:

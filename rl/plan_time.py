@@ -96,8 +96,8 @@ def rate(
     figures = [f, *f.get("by_size", [])]
     if hidden and all(g.get("hidden_size") for g in figures):
         f = min(figures, key=lambda g: abs(math.log(hidden / g["hidden_size"])))
-    elif active and len(figures) > 1:
-        f = min(figures, key=lambda g: abs(math.log(active / g["active_params"])))
+    elif active and len(sized := [g for g in figures if g.get("active_params")]) > 1:
+        f = min(sized, key=lambda g: abs(math.log(active / g["active_params"])))
     measured = f["kind"] == "measured"
     src = f"{f['command']} ({f['date']})" if measured else f["source"]
     return Rate(
@@ -190,6 +190,8 @@ def estimate_step(
     cfg, plan, prompt_len: float = 0, response_len: float = 0, rates: dict | None = None
 ) -> StepTime:
     """The step time of `cfg` (with `plan`, its make_plan) on resources.device's rates."""
+    from rl.plan import engine_setting
+
     kind = device_kind(cfg)
     ro, tr, res, s = cfg.rollout, cfg.trainer, cfg.resources, plan.shape
     ranks, ep = tr.num_ranks, max(tr.expert_parallel_size, 1)
@@ -223,16 +225,17 @@ def estimate_step(
     # ---- rollout ----
     engines, tp = max(ro.num_workers, 1), max(ro.tensor_parallel_size, 1)
     per_engine = math.ceil(S / engines)
-    wave = min(per_engine, ro.max_num_seqs)
+    wave = min(per_engine, engine_setting(ro, "max_num_seqs"))
     if gpus and plan.seqs_fit:
         wave = max(1, min(wave, plan.seqs_fit))
     waves = math.ceil(per_engine / wave)
     weights_gpu = plan.r_weights + plan.r_lora
     mem_s = weights_gpu / (r("hbm_gbps").value * 1e9)
     flop_s = 2 * N * wave / tp / (r("decode_tflops").value * 1e12)
-    eager = o("decode_layer_step_eager_s") if ro.enforce_eager else None
+    enforce_eager = engine_setting(ro, "enforce_eager")
+    eager = o("decode_layer_step_eager_s") if enforce_eager else None
     host = s.num_layers * eager.value if eager else r("decode_step_s").value
-    if ro.enforce_eager and not eager and gpus:
+    if enforce_eager and not eager and gpus:
         est.notes.append("rollout.enforce_eager: no eager decode figure for this device; the CUDA-graph one")
     per_seq = o("decode_seq_s")
     step = host + (per_seq.value * wave if per_seq else 0.0) + max(mem_s, flop_s)

@@ -419,23 +419,19 @@ def preflight(
 
 
 def kv_cache_problems(cfg: SparkConfig) -> list[str]:
-    """Colocated on GPUs, an engine's KV cache is what the plan leaves of rollout.gpu_memory_utilization
-    (rl.setup.engine_spec); it must hold one sequence of the engine's context, or the engine dies at start."""
-    ro = cfg.rollout
-    if not cfg.resources.num_gpus or ro.placement != "colocated" or "kv_cache_memory_bytes" in ro.engine_args:
-        return []
-    from rl.plan import make_plan
+    """Colocated on GPUs, an engine's KV cache is what the plan leaves of its memory share
+    (rl.plan.colocated_engine_plan); it must hold one sequence of the engine's context, or the engine dies at
+    start."""
+    from rl.plan import colocated_engine_plan, engine_setting
 
-    try:
-        p = make_plan(cfg, advise=False)
-    except ValueError:  # a model the planner cannot size: vLLM's profile sizes the cache
-        return []
-    if p.kv_room >= p.kv_per_seq:
+    p = colocated_engine_plan(cfg)
+    if p is None or p.kv_room >= p.kv_per_seq:
         return []
     gib = 2**30
+    share = engine_setting(cfg.rollout, "gpu_memory_utilization")
     return [
-        f"rollout.gpu_memory_utilization: {ro.gpu_memory_utilization:g} of a {cfg.resources.gpu_memory_gib:g} GiB "
-        f"GPU leaves {max(p.kv_room, 0) / gib:.2f} GiB of KV cache beside "
+        f"rollout.gpu_memory_utilization: {share:g} of a {cfg.resources.gpu_memory_gib:g} GiB GPU "
+        f"(resources.gpu_memory_gib) leaves {max(p.kv_room, 0) / gib:.2f} GiB of KV cache beside "
         f"{(p.r_budget - p.kv_room) / gib:.2f} GiB of weights, LoRA slot, activations and runtime; one "
         f"{p.context:,}-token sequence needs {p.kv_per_seq / 2**20:,.1f} MiB: raise it (`sparkrl plan` shows "
         "the split)"

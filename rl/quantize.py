@@ -57,21 +57,22 @@ def model_dir(src: str | os.PathLike) -> Path:
     offline = hub_offline()
     if not offline:
         print(f"quantize: fetching {src} from the Hugging Face hub into {hub_cache_dir()}", flush=True)
+    where = (
+        "in the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "on the Hugging Face hub"
+    )
     try:
-        return Path(
+        snapshot = Path(
             snapshot_download(
                 str(src), allow_patterns=HUB_FILES, cache_dir=hub_cache_dir(), local_files_only=offline
             )
         )
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
-        where = (
-            "in the local Hugging Face cache (HF_HUB_OFFLINE is set)"
-            if offline
-            else "on the Hugging Face hub"
-        )
         raise FileNotFoundError(
             f"{src} is neither a local model directory nor a model found {where}: {str(e).splitlines()[0]}"
         ) from None
+    if not any(snapshot.glob("*.safetensors")):  # e.g. a cache holding config.json alone, offline
+        raise FileNotFoundError(f"{src}: no *.safetensors weights {where} ({snapshot})")
+    return snapshot
 
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, scheme: str = "nvfp4") -> Path:

@@ -315,13 +315,17 @@ def engine_spec(cfg: SparkConfig, model_path: str):
     sleep = on_gpu and ro.placement == "colocated"
     non_kv_bytes = 0
     if sleep:
-        from rl.plan import make_plan
+        from rl.plan import colocated_engine_plan
 
-        try:
-            p = make_plan(cfg, advise=False)
+        p = colocated_engine_plan(cfg)
+        if p is not None:
             non_kv_bytes = int(p.r_weights + p.r_lora + p.r_activations + p.r_runtime)
-        except ValueError as e:  # a model the planner cannot size: vLLM's profile it is
-            logging.getLogger(__name__).warning("rollout: the KV cache is left to vLLM's profile (%s)", e)
+        elif "kv_cache_memory_bytes" not in ro.engine_args:
+            logging.getLogger(__name__).warning(
+                "rollout: the planner cannot size this engine's memory (`sparkrl plan` says why), so vLLM's "
+                "profile sizes the KV cache, which misjudges it in sleep mode; "
+                "rollout.engine_args.kv_cache_memory_bytes sets it"
+            )
     return EngineSpec(
         model_path=model_path,
         rollout=copy.deepcopy(ro),

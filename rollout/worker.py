@@ -159,23 +159,27 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | No
 
 def kv_cache_bytes(spec: EngineSpec) -> int:
     """The KV cache of each TP rank under sleep mode: gpu_memory_utilization x the GPU's memory, less what
-    the plan puts beside it (EngineSpec.non_kv_bytes). The GPU's memory from NVML (no CUDA context in this
-    process), or resources.gpu_memory_gib where this process sees no GPU (TP ranks on other bundles)."""
+    the plan puts beside it (EngineSpec.non_kv_bytes). The GPU's memory from NVML, without a CUDA context
+    here (vLLM's device 0 for this process: its CUDA_VISIBLE_DEVICES' first, the node's first where that is
+    empty), or resources.gpu_memory_gib where NVML cannot tell."""
     from vllm.platforms import current_platform
 
     total = spec.gpu_bytes
     if current_platform.is_cuda_alike():
         try:
             total = current_platform.get_device_total_memory(0)
-        except Exception:  # no GPU visible to this process
+        except Exception:  # no NVML answer
             pass
     share = spec.rollout.engine_args.get("gpu_memory_utilization", spec.rollout.gpu_memory_utilization)
     kv = int(share * total) - spec.non_kv_bytes
     if kv <= 0:
+        planned = ""
+        if spec.gpu_bytes and abs(total - spec.gpu_bytes) > 0.05 * total:
+            planned = f" (the plan took a {spec.gpu_bytes / 2**30:g} GiB GPU: set resources.gpu_memory_gib)"
         raise ValueError(
-            f"rollout.gpu_memory_utilization {share} of a {total / 2**30:.1f} GiB GPU "
-            f"leaves no KV cache beside the {spec.non_kv_bytes / 2**30:.1f} GiB of weights, LoRA slot, "
-            "activations and runtime `sparkrl plan` counts; raise rollout.gpu_memory_utilization"
+            f"rollout.gpu_memory_utilization {share} of a {total / 2**30:.1f} GiB GPU{planned} leaves no KV "
+            f"cache beside the {spec.non_kv_bytes / 2**30:.1f} GiB of weights, LoRA slot, activations and "
+            "runtime `sparkrl plan` counts; raise rollout.gpu_memory_utilization"
         )
     return kv
 

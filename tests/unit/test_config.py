@@ -350,33 +350,65 @@ def test_engine_args_reach_vllm_over_the_settings_sparkrl_makes(tmp_path):
     assert engine_spec(load_config(recipe(tmp_path)), "/m").rollout.engine_args == {}
 
 
-def test_a_colocated_engine_sizes_its_kv_cache_beside_what_the_plan_counts(tmp_path):
+class _Platform:
+    """vLLM's current_platform as the rollout worker reads the GPU's memory from it: a CUDA one whose NVML
+    says `total` bytes, or (total None) a CPU one. The machine running the tests may have either, or none."""
+
+    def __init__(self, total: int | None):
+        self.total = total
+
+    def is_cuda_alike(self) -> bool:
+        return self.total is not None
+
+    def get_device_total_memory(self, device_id: int = 0) -> int:
+        return self.total
+
+
+def test_a_colocated_engine_sizes_its_kv_cache_beside_what_the_plan_counts(tmp_path, monkeypatch):
     """Under sleep mode vLLM's own profile misjudges the KV cache (it took 54 GiB of a 44 GiB budget on an
     H100); a colocated engine is given gpu_memory_utilization x the GPU less the plan's weights, LoRA slot,
-    activations and runtime instead, and rollout.engine_args still wins. (Here no GPU is visible, so the
-    GPU's memory is resources.gpu_memory_gib, as for an engine whose TP ranks run elsewhere.)"""
+    activations and runtime instead, the GPU's memory as NVML says it, and rollout.engine_args still win."""
+    import vllm.platforms
+
     from rl.plan import make_plan
     from rl.setup import engine_spec
     from rollout.worker import ModelInfo, engine_kwargs
 
+    gib = 2**30
     info = ModelInfo(num_layers=2, num_experts=0, top_k=0, quantization=None)
-    cfg = load_config("recipes/gpu_demo.yaml")
+    cfg = load_config("recipes/gpu_demo.yaml")  # resources.gpu_memory_gib 80
     spec = engine_spec(cfg, "/m")
-    assert spec.enable_sleep_mode and spec.gpu_bytes == cfg.resources.gpu_memory_gib * 2**30
+    assert spec.enable_sleep_mode and spec.gpu_bytes == 80 * gib
     plan = make_plan(cfg, advise=False)
+    monkeypatch.setattr(vllm.platforms, "current_platform", _Platform(None))  # NVML cannot tell: the config's
     kv = engine_kwargs(spec, info)["kv_cache_memory_bytes"]
-    assert abs(kv - plan.kv_room) < 2 and kv > 2**30  # the plan's KV room, to the byte's rounding
+    assert abs(kv - plan.kv_room) < 2 and kv > gib  # the plan's KV room, to the byte's rounding
+    monkeypatch.setattr(vllm.platforms, "current_platform", _Platform(141 * gib))  # an H200 under the plan
+    share = cfg.rollout.gpu_memory_utilization
+    assert engine_kwargs(spec, info)["kv_cache_memory_bytes"] == pytest.approx(kv + share * 61 * gib, abs=2)
     # a smaller share of the GPU leaves a smaller cache; none at all is refused with what to raise
+    monkeypatch.setattr(vllm.platforms, "current_platform", _Platform(80 * gib))
     small = engine_spec(load_config("recipes/gpu_demo.yaml", ["rollout.gpu_memory_utilization=0.2"]), "/m")
     assert 0 < engine_kwargs(small, info)["kv_cache_memory_bytes"] < kv
     none = engine_spec(load_config("recipes/gpu_demo.yaml", ["rollout.gpu_memory_utilization=0.01"]), "/m")
     with pytest.raises(ValueError, match="leaves no KV cache.*raise rollout.gpu_memory_utilization"):
         engine_kwargs(none, info)
+    monkeypatch.setattr(vllm.platforms, "current_platform", _Platform(8 * gib))  # not the GPU planned for
+    with pytest.raises(ValueError, match=r"of a 8.0 GiB GPU \(the plan took a 80 GiB GPU: set resources."):
+        engine_kwargs(
+            engine_spec(load_config("recipes/gpu_demo.yaml", ["rollout.gpu_memory_utilization=0.1"]), "/m"),
+            info,
+        )
     mine = load_config(
         "recipes/gpu_demo.yaml",
         ["rollout.gpu_memory_utilization=0.01", "rollout.engine_args={kv_cache_memory_bytes: 1073741824}"],
     )
-    assert engine_kwargs(engine_spec(mine, "/m"), info)["kv_cache_memory_bytes"] == 2**30  # one's own size
+    assert engine_kwargs(engine_spec(mine, "/m"), info)["kv_cache_memory_bytes"] == gib  # one's own size
+    theirs = load_config("recipes/gpu_demo.yaml", ["rollout.engine_args={gpu_memory_utilization: 0.2}"])
+    assert (
+        engine_kwargs(engine_spec(theirs, "/m"), info)["kv_cache_memory_bytes"]
+        == engine_kwargs(small, info)["kv_cache_memory_bytes"]
+    )  # engine_args' share, as vLLM gets it
     cpu = engine_spec(load_config(recipe(tmp_path)), "/m")  # no sleep mode: vLLM sizes it
     assert cpu.non_kv_bytes == 0 and "kv_cache_memory_bytes" not in engine_kwargs(cpu, info)
 

@@ -115,6 +115,15 @@ def test_quantize_takes_a_hub_id_from_the_hugging_face_cache(tmp_path, tiny_dens
     ):
         quantize("org/missing", tmp_path / "q2")
     assert not (tmp_path / "q2").exists()
+    bare = tmp_path / "hub" / "models--org--bare" / "snapshots" / ("b" * 40)  # config.json alone
+    bare.mkdir(parents=True)
+    shutil.copy(tiny_dense_path / "config.json", bare)
+    (bare.parents[1] / "refs").mkdir()
+    (bare.parents[1] / "refs" / "main").write_text("b" * 40)
+    with pytest.raises(
+        FileNotFoundError, match=r"org/bare: no \*.safetensors weights in the local Hugging Face"
+    ):
+        quantize("org/bare", tmp_path / "q3")
 
 
 def test_register_adds_the_quantize_subcommand():

@@ -504,20 +504,41 @@ def test_a_cached_hub_dataset_passes_without_the_hub(hf_env, monkeypatch):
     preflight(_cfg("data.train=sparkrl-test/AIME-2024?config=other"))
 
 
-def test_a_colocated_kv_cache_too_small_for_one_sequence_is_named_before_ray():
+def test_a_colocated_kv_cache_too_small_for_one_sequence_is_named_before_ray(tmp_path, tiny_dense_path):
     """Colocated on GPUs the engine's KV cache is what the plan leaves of gpu_memory_utilization: a share
     that leaves less than one sequence is one line naming the key, not an engine dying at start."""
+    import shutil
+
+    from rl.plan import colocated_engine_plan
     from rl.preflight import kv_cache_problems
 
     assert kv_cache_problems(load_config("recipes/gpu_demo.yaml")) == []
-    for recipe in ("qwen3_30b_a3b_1gpu", "muse_spark_open_dapo_lora"):  # the shipped colocated GPU recipes
+    for recipe in (
+        "gpu_demo",
+        "qwen3_30b_a3b_1gpu",
+        "muse_spark_open_dapo_lora",
+    ):  # the shipped colocated ones
+        assert colocated_engine_plan(load_config(recipe)) is not None, recipe  # sized by the plan
         assert kv_cache_problems(load_config(recipe)) == [], recipe
     (line,) = kv_cache_problems(load_config("recipes/gpu_demo.yaml", ["rollout.gpu_memory_utilization=0.01"]))
-    assert line.startswith("rollout.gpu_memory_utilization: 0.01 of a 80 GiB GPU leaves 0.00 GiB of KV cache")
+    assert line.startswith(
+        "rollout.gpu_memory_utilization: 0.01 of a 80 GiB GPU (resources.gpu_memory_gib) leaves 0.00 GiB of KV "
+    )
     assert line.endswith("one 288-token sequence needs 0.3 MiB: raise it (`sparkrl plan` shows the split)")
+    theirs = ["rollout.engine_args={gpu_memory_utilization: 0.01}"]  # the share vLLM gets
+    (line,) = kv_cache_problems(load_config("recipes/gpu_demo.yaml", theirs))
+    assert line.startswith("rollout.gpu_memory_utilization: 0.01 of a 80 GiB GPU")
     own = ["rollout.gpu_memory_utilization=0.01", "rollout.engine_args={kv_cache_memory_bytes: 1073741824}"]
     assert kv_cache_problems(load_config("recipes/gpu_demo.yaml", own)) == []  # a size of one's own
     split = load_config(
         "recipes/gpu_demo.yaml", ["rollout.gpu_memory_utilization=0.01", "resources.num_gpus=0"]
     )
     assert kv_cache_problems(split) == []  # no sleep mode: vLLM sizes its cache itself
+    # weights in a format the planner does not count byte for byte (FP8 here): vLLM's profile sizes the cache
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(tiny_dense_path, fp8)
+    config = json.loads((fp8 / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    over = [f"model.path={fp8}", "model.make_tiny.arch=", "rollout.gpu_memory_utilization=0.01"]
+    assert colocated_engine_plan(load_config("recipes/gpu_demo.yaml", over)) is None
+    assert kv_cache_problems(load_config("recipes/gpu_demo.yaml", over)) == []
