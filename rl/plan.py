@@ -49,16 +49,11 @@ from pathlib import Path
 from rl.core import model_info
 from rl.core.model_info import quantization_kind
 from rl.models import registry
+from rollout.config import engine_setting
 
 GiB = 2**30
 NVFP4_BYTES = 0.5 + 1 / 16  # FP4 values plus one FP8 scale per 16 (the per-tensor global scale is negligible)
 VLLM_BATCHED_TOKENS = 16384  # vLLM's max_num_batched_tokens for the LLM class on a large GPU
-
-
-def engine_setting(ro, key: str, default=None):
-    """A vLLM setting as the engine gets it: `rollout.engine_args`' value over the `rollout:` key of that
-    name (rollout.worker.engine_kwargs passes engine_args last), else `default`."""
-    return ro.engine_args[key] if key in ro.engine_args else getattr(ro, key, default)
 
 
 RUNTIME_BYTES = 1 * GiB  # CUDA context, allocator slack, NCCL buffers: per process on a GPU

@@ -190,7 +190,7 @@ def estimate_step(
     cfg, plan, prompt_len: float = 0, response_len: float = 0, rates: dict | None = None
 ) -> StepTime:
     """The step time of `cfg` (with `plan`, its make_plan) on resources.device's rates."""
-    from rl.plan import engine_setting
+    from rollout.config import engine_setting
 
     kind = device_kind(cfg)
     ro, tr, res, s = cfg.rollout, cfg.trainer, cfg.resources, plan.shape

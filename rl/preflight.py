@@ -422,7 +422,8 @@ def kv_cache_problems(cfg: SparkConfig) -> list[str]:
     """Colocated on GPUs, an engine's KV cache is what the plan leaves of its memory share
     (rl.plan.colocated_engine_plan); it must hold one sequence of the engine's context, or the engine dies at
     start."""
-    from rl.plan import colocated_engine_plan, engine_setting
+    from rl.plan import colocated_engine_plan
+    from rollout.config import engine_setting
 
     p = colocated_engine_plan(cfg)
     if p is None or p.kv_room >= p.kv_per_seq:

@@ -122,3 +122,9 @@ class RolloutConfig:
         "Further `vllm.LLM` keyword arguments, passed as they are and over the ones sparkrl sets, e.g. "
         "`{compilation_config: {cudagraph_mode: FULL_DECODE_ONLY}}` or `{max_num_batched_tokens: 8192}`.",
     )
+
+
+def engine_setting(ro: RolloutConfig, key: str, default: Any = None) -> Any:
+    """A vLLM setting as the engine gets it: `rollout.engine_args`' value over the `rollout:` key of that
+    name (rollout.worker.engine_kwargs passes engine_args last), else `default`."""
+    return ro.engine_args[key] if key in ro.engine_args else getattr(ro, key, default)

@@ -25,6 +25,7 @@ from rl.core.batch import Sample
 from rl.core.model_info import num_experts, quantization_kind, vllm_lora_rank
 from rl.core.worker_logs import capture
 from rollout.adapter_layout import merged_to_checkpoint, peft_to_vllm, sibling_prefix
+from rollout.config import engine_setting
 from rollout.lora_kernels import HopperLoraConfigs, hopper_gpu_name
 from rollout.safetensors_io import write_safetensors
 from rollout.spec import EngineBundles, EngineSpec, PromptRequest, SamplingSpec
@@ -170,7 +171,7 @@ def kv_cache_bytes(spec: EngineSpec) -> int:
             total = current_platform.get_device_total_memory(0)
         except Exception:  # no NVML answer
             pass
-    share = spec.rollout.engine_args.get("gpu_memory_utilization", spec.rollout.gpu_memory_utilization)
+    share = engine_setting(spec.rollout, "gpu_memory_utilization")
     kv = int(share * total) - spec.non_kv_bytes
     if kv <= 0:
         planned = ""
