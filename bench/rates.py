@@ -24,7 +24,8 @@ On a GPU (`--device h100-80gb` or `h200`), the costs that do not scale with FLOP
 (a small model, e.g. recipes/gpu_demo.yaml, shows them best; the FLOP rates of the file stay as they are):
   decode_layer_step_eager_s (rollout.enforce_eager) or decode_step_s   the a of the line a + b x batch
                     through batch 64 and 512, a decoder layer's share with eager launches;
-  decode_seq_s      b less the FLOPs a sequence at the file's decode_tflops (sampling, log-probs, routing);
+  decode_seq_eager_s (rollout.enforce_eager) or decode_seq_s   b less the FLOPs a sequence at the file's
+                    decode_tflops (sampling, log-probs, routing);
   colocate_switch_s the engines' sleep and wake (rollout.placement colocated), median of 3;
   sync_s            bench.sync's hand-over, median of 3, less its bytes at the file's sync_gbps;
   train_call_s, train_layer_pass_s, logprob_call_s, logprob_layer_pass_s   bench.trainer at S and S / 2
@@ -291,7 +292,8 @@ def measure_gpu(device: str, recipe: str, overrides: list[str], command: str) ->
         else:
             out["decode_step_s"] = m(a, line)
         flops = 2 * N / (given("decode_tflops") * 1e12)
-        out["decode_seq_s"] = m(max(per_seq - flops, 0.0), "b of that line less 2 N_active at decode_tflops")
+        seq_name = "decode_seq_eager_s" if cfg.rollout.enforce_eager else "decode_seq_s"
+        out[seq_name] = m(max(per_seq - flops, 0.0), "b of that line less 2 N_active at decode_tflops")
         if s.rollout.spec.enable_sleep_mode:
             out["colocate_switch_s"] = m(
                 _median_s(lambda: (s.rollout.sleep(), s.rollout.wake_up())), "sleep then wake, median of 3"

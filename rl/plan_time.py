@@ -12,7 +12,8 @@ and R default to rollout.max_prompt_len and rollout.max_response_len, the bounds
   (and what the KV cache holds on GPUs), R steps a wave; a step costs the engine's host time per step
   (`decode_step_s` with CUDA graphs; with rollout.enforce_eager, `decode_layer_step_eager_s` a decoder
   layer, where the device kind has it: each layer's kernels launched one by one), plus a sequence's own cost
-  a step (`decode_seq_s`: sampling, log-probs, routing capture), plus the larger of reading the weights an
+  a step where measured in that mode (`decode_seq_s` with CUDA graphs, `decode_seq_eager_s` eager:
+  sampling, log-probs, routing capture), plus the larger of reading the weights an
   engine GPU holds (`hbm_gbps`) and 2 N_active FLOPs a sequence over TP GPUs (`decode_tflops`);
 - rollout prefill: 2 N_active FLOPs a prompt token (a prompt once with rollout.enable_prefix_caching, n times
   without) at `prefill_tflops` a GPU;
@@ -237,7 +238,7 @@ def estimate_step(
     host = s.num_layers * eager.value if eager else r("decode_step_s").value
     if enforce_eager and not eager and gpus:
         est.notes.append("rollout.enforce_eager: no eager decode figure for this device; the CUDA-graph one")
-    per_seq = o("decode_seq_s")
+    per_seq = o("decode_seq_eager_s" if enforce_eager else "decode_seq_s")
     step = host + (per_seq.value * wave if per_seq else 0.0) + max(mem_s, flop_s)
     est.phases["rollout decode"] = waves * R * step
     prompts = S if not ro.enable_prefix_caching else cfg.data.train_batch_size

@@ -80,7 +80,7 @@ def test_link_across_nodes_is_infiniband():
 
 def test_measured_and_assumed_labels():
     est = _est(MUSE)
-    assert est.rates["decode_tflops"].measured and not est.rates["inter_node_gbps"].measured
+    assert est.rates["decode_step_s"].measured and not est.rates["inter_node_gbps"].measured
     assert not est.rates["train_tflops"].measured  # the H100's full-width figure, assumed for the H200
     text = "\n".join(plan_time.format_time(est))
     assert "measured: " in text and "assumed: " in text and "bottleneck:" in text
@@ -130,7 +130,12 @@ def test_per_call_costs_count_where_measured():
     plan = make_plan(cfg, advise=False)
     rates = copy.deepcopy(plan_time.load_rates())
     table = rates["devices"]["h100-80gb"]["rates"]
-    for name in ("decode_layer_step_eager_s", "decode_seq_s", "colocate_switch_s", "train_layer_pass_s"):
+    for name in (
+        "decode_layer_step_eager_s",
+        "decode_seq_eager_s",
+        "colocate_switch_s",
+        "train_layer_pass_s",
+    ):
         table.pop(name, None)
     bare = plan_time.estimate_step(cfg, plan, rates=rates)
     assert "sleep and wake" not in bare.phases
@@ -202,11 +207,13 @@ def test_merge_keeps_the_figures_not_measured(tmp_path):
 
 
 def test_a_flop_rate_measured_on_another_model_size_is_noted():
-    """The plan says when a FLOP rate comes from a model of another size (the rates file records it):
-    Muse's 44B active parameters on rates from a 0.69B bench model, but not the demo on its own rates."""
+    """The plan says when a FLOP rate comes from layers of another width (the rates file records it): the
+    GPU demo's 128-wide model on the bench model's 2,048-wide rates, but not Muse Spark Open on the rates
+    measured at its own width, nor the CPU demo on its own rates."""
+    gpu_demo = "\n".join(_est("recipes/gpu_demo.yaml").notes)
+    assert "decode_tflops was measured on layers of hidden size 2,048, this model's are 128" in gpu_demo
     muse = "\n".join(_est(MUSE).notes)
-    assert "decode_tflops was measured on layers of hidden size 2,048, this model's are 8,192" in muse
-    assert "train_tflops" not in muse  # measured on Muse Spark Open's own layer width
+    assert "tflops" not in muse  # measured on Muse Spark Open's own layer width
     demo = _est("recipes/demo_cpu.yaml")
     assert not any("was measured on a model of" in n for n in demo.notes)
     assert demo.rates["train_tflops@2"].active_params > 0
