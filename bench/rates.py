@@ -272,7 +272,7 @@ def measure_gpu(device: str, recipe: str, overrides: list[str], command: str) ->
     cfg = load_config(recipe, overrides)
     shape = model_shape(cfg)
     N, L = active_params(shape), shape.num_layers
-    given = lambda name: rate(device, name, active=N, hidden=shape.hidden).value  # noqa: E731  (the file's, nearest in size)
+    given = lambda name: rate(device, name, hidden=shape.hidden).value  # noqa: E731  (the file's, nearest in size)
     S = cfg.data.train_batch_size * cfg.rollout.n
     out = {"hbm_gbps": m(_cuda_copy_gbps(), "a 1 GiB device-to-device copy, bytes read and written")}
     out["dequant_gbps"] = m(

@@ -54,8 +54,6 @@ from rollout.config import engine_setting
 GiB = 2**30
 NVFP4_BYTES = 0.5 + 1 / 16  # FP4 values plus one FP8 scale per 16 (the per-tensor global scale is negligible)
 VLLM_BATCHED_TOKENS = 16384  # vLLM's max_num_batched_tokens for the LLM class on a large GPU
-
-
 RUNTIME_BYTES = 1 * GiB  # CUDA context, allocator slack, NCCL buffers: per process on a GPU
 CUDA_GRAPH_BYTES = 1 * GiB
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -482,9 +480,14 @@ class Plan:
     kv_target: float = 0.0  # the gpu_memory_utilization at which vLLM holds every sequence at once
 
     @property
+    def r_beside_kv(self) -> float:
+        """What vLLM holds on a GPU besides its KV cache: weights, the LoRA slot, activations, runtime."""
+        return self.r_weights + self.r_lora + self.r_activations + self.r_runtime
+
+    @property
     def r_total_min(self) -> float:
         """What vLLM needs within its budget to hold one full-length sequence."""
-        return self.r_weights + self.r_lora + self.r_activations + self.r_runtime + self.kv_per_seq
+        return self.r_beside_kv + self.kv_per_seq
 
     @property
     def seqs_fit(self) -> int:

@@ -82,23 +82,17 @@ class Rate:
     hidden_size: int = 0  # of that model's layers (0: not recorded)
 
 
-def rate(
-    kind: str, name: str, ranks: int = 0, rates: dict | None = None, active: float = 0.0, hidden: int = 0
-) -> Rate:
+def rate(kind: str, name: str, ranks: int = 0, rates: dict | None = None, hidden: int = 0) -> Rate:
     """A figure of the device kind: `name@<ranks>` where the file has it (CPU ranks share the cores), else
     `name`, else the figure at the fewest ranks measured. A FLOP rate may also hold the same figure measured
-    on models of other sizes (`by_size`): for a model of hidden size `hidden` (the matmuls' shapes set the
-    rate), the one measured at the nearest hidden size, by ratio; where a figure lacks its hidden size, the
-    one nearest in active parameters (`active`)."""
+    on layers of other widths (`by_size`, each with its `hidden_size`): for a model of hidden size `hidden`
+    (the matmuls' shapes set the rate), the one measured at the nearest width, by ratio."""
     table = (rates or load_rates())["devices"][kind]["rates"]
     per_ranks = sorted((k for k in table if k.startswith(name + "@")), key=lambda k: int(k.split("@")[1]))
     key = next((k for k in (f"{name}@{ranks}", name, *per_ranks) if k in table), name)
     f = table[key]
-    figures = [f, *f.get("by_size", [])]
-    if hidden and all(g.get("hidden_size") for g in figures):
-        f = min(figures, key=lambda g: abs(math.log(hidden / g["hidden_size"])))
-    elif active and len(sized := [g for g in figures if g.get("active_params")]) > 1:
-        f = min(sized, key=lambda g: abs(math.log(active / g["active_params"])))
+    if hidden and f.get("by_size"):
+        f = min([f, *f["by_size"]], key=lambda g: abs(math.log(hidden / g["hidden_size"])))
     measured = f["kind"] == "measured"
     src = f"{f['command']} ({f['date']})" if measured else f["source"]
     return Rate(
@@ -112,14 +106,14 @@ def rate(
 
 
 def optional_rate(
-    kind: str, name: str, ranks: int = 0, rates: dict | None = None, active: float = 0.0, hidden: int = 0
+    kind: str, name: str, ranks: int = 0, rates: dict | None = None, hidden: int = 0
 ) -> Rate | None:
     """`rate`, or None where the device kind's table lacks the figure (the per-call costs bench.rates
     measures on a GPU: a kind without them is timed by its FLOP and byte rates alone)."""
     table = (rates or load_rates())["devices"][kind]["rates"]
     if not any(k == name or k.startswith(name + "@") for k in table):
         return None
-    return rate(kind, name, ranks, rates, active, hidden)
+    return rate(kind, name, ranks, rates, hidden)
 
 
 @dataclass
@@ -210,11 +204,11 @@ def estimate_step(
     N = active_params(s)
     H = s.hidden
     r = lambda name, n=0: est.rates.setdefault(  # noqa: E731
-        name + (f"@{n}" if n else ""), rate(kind, name, n, rates, N, H)
+        name + (f"@{n}" if n else ""), rate(kind, name, n, rates, H)
     )
 
     def o(name: str, n: int = 0) -> Rate | None:
-        f = optional_rate(kind, name, n, rates, N, H)
+        f = optional_rate(kind, name, n, rates, H)
         if f is not None:
             est.rates.setdefault(name + (f"@{n}" if n else ""), f)
         return f

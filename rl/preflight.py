@@ -433,7 +433,7 @@ def kv_cache_problems(cfg: SparkConfig) -> list[str]:
     return [
         f"rollout.gpu_memory_utilization: {share:g} of a {cfg.resources.gpu_memory_gib:g} GiB GPU "
         f"(resources.gpu_memory_gib) leaves {max(p.kv_room, 0) / gib:.2f} GiB of KV cache beside "
-        f"{(p.r_budget - p.kv_room) / gib:.2f} GiB of weights, LoRA slot, activations and runtime; one "
+        f"{p.r_beside_kv / gib:.2f} GiB of weights, LoRA slot, activations and runtime; one "
         f"{p.context:,}-token sequence needs {p.kv_per_seq / 2**20:,.1f} MiB: raise it (`sparkrl plan` shows "
         "the split)"
     ]

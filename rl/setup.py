@@ -319,7 +319,7 @@ def engine_spec(cfg: SparkConfig, model_path: str):
 
         p = colocated_engine_plan(cfg)
         if p is not None:
-            non_kv_bytes = int(p.r_weights + p.r_lora + p.r_activations + p.r_runtime)
+            non_kv_bytes = int(p.r_beside_kv)
         elif "kv_cache_memory_bytes" not in ro.engine_args:
             logging.getLogger(__name__).warning(
                 "rollout: the planner cannot size this engine's memory (`sparkrl plan` says why), so vLLM's "

@@ -30,7 +30,7 @@ def test_rates_file_schema():
             else:
                 assert f["source"], (kind, name)
         for name, f in table.items():
-            for g in f.get("by_size", []):  # taken by hidden size, else by active parameters
+            for g in f.get("by_size", []):  # taken by hidden size; the size noted
                 assert g["hidden_size"] > 0 and g["active_params"] > 0 and f.get("hidden_size"), (kind, name)
     for run in rates["runs"]:
         assert run["date"] and run["command"] and run["step_s"] > 0
@@ -272,7 +272,7 @@ def test_a_flop_rate_measured_at_several_widths_is_taken_nearest_the_planned_mod
     """train_tflops on the h100 was measured on the 2,048-wide bench model and on Muse Spark Open's 8,192-wide
     layer: each model is timed with the figure measured nearest its layers' width, by ratio (the matmuls'
     shapes set the rate); Qwen3-30B-A3B (2,048 wide, 3B active) takes the bench model's."""
-    near = lambda hidden: plan_time.rate("h100-80gb", "train_tflops", active=1e9, hidden=hidden)  # noqa: E731
+    near = lambda hidden: plan_time.rate("h100-80gb", "train_tflops", hidden=hidden)  # noqa: E731
     assert near(256).value == near(2048).value == near(3000).value == 265
     assert near(5000).value == near(8192).value == 465 and near(8192).measured
     assert near(8192).hidden_size == 8192 and near(8192).active_params == 3028886272.0
