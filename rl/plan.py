@@ -53,12 +53,15 @@ from rollout.config import engine_setting
 
 GiB = 2**30
 NVFP4_BYTES = 0.5 + 1 / 16  # FP4 values plus one FP8 scale per 16 (the per-tensor global scale is negligible)
+# dequantizing: each block of 16 weights' scale as BF16 and the FP32 effective scale (block / global)
+DEQUANT_SCALE_BYTES = (2 + 4) / 16
 VLLM_BATCHED_TOKENS = 16384  # vLLM's max_num_batched_tokens for the LLM class on a large GPU
 RUNTIME_BYTES = 1 * GiB  # CUDA context, allocator slack, NCCL buffers: per process on a GPU
 CUDA_GRAPH_BYTES = 1 * GiB
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 LONG_CONTEXT = 1_048_576  # shown beside the recipe's context for models with sliding-window layers
 DEFAULT_LOGITS_CHUNK = 4096  # the chunk the hint suggests (the large recipes' trainer.logits_chunk_tokens)
+MIN_LOGITS_CHUNK = 1024  # the smallest chunk the advice halves down to
 QUANTIZED_GROUPS = ("attention", "experts", "latent", "shared_experts", "dense_mlp")  # Linear layers
 
 
@@ -141,6 +144,22 @@ class ModelShape:
         dense = p.get("dense_mlp", 0) / self.num_dense_layers if self.num_dense_layers else 0
         full_moe = moe + (p.get("router", 0) / self.moe_layers if self.moe_layers else 0)
         return shared + (moe if full_moe >= dense else dense)
+
+    def largest_quantized_weight(self, ep: int = 1) -> float:
+        """Parameters of the largest single weight an NVFP4 checkpoint stores in NVFP4, as the trainer holds
+        it: a MoE layer's fused gate_up bank (two of the experts' three projections, num_experts / ep of
+        them), a dense MLP's projection, or a layer's query or output projection (at most half its
+        attention); the latent projections likewise."""
+        p, L = self.params, self.num_layers
+        per_moe = lambda k: p.get(k, 0) / self.moe_layers if self.moe_layers else 0.0  # noqa: E731
+        dense = p.get("dense_mlp", 0) / self.num_dense_layers / 3 if self.num_dense_layers else 0.0
+        return max(
+            per_moe("experts") * 2 / 3 / ep,
+            per_moe("shared_experts") * 2 / 3,
+            per_moe("latent") / 2,
+            dense,
+            p.get("attention", 0) / L / 2,
+        )
 
     def layer_tokens(self, context: int) -> int:
         """KV entries one sequence of `context` tokens holds, summed over the layers."""
@@ -556,8 +575,13 @@ def logits_tokens(cfg, tokens: int) -> int:
 def trainer_gathered(s: ModelShape, base_format: str, ranks: int, wbytes: int, ep: int = 1) -> float:
     """What FSDP2 holds unsharded at once: two decoder layers (the computing one and the prefetched next)
     and the embeddings/output. An nvfp4 base all-gathers its NVFP4 weights packed and dequantizes the
-    computing layer's into a model.dtype buffer; one rank gathers nothing but still dequantizes. With expert
-    parallelism (`ep` > 1) a layer holds num_experts / ep of its experts."""
+    computing layer's into a model.dtype buffer; dequantizing a weight makes its FP32 effective scales and
+    BF16 block scales beside it (trainer/nvfp4_tensor.py). One rank gathers nothing, yet FSDP2's one-rank
+    path copies each weight's gather input (the packed bytes, trainer/nvfp4_tensor.py `_row_bytes`) into an
+    unsharded buffer (torch's `FSDPParamGroup.wait_for_unshard`): the computing layer packed, and the input
+    of the largest weight alive through its copy. With expert parallelism (`ep` > 1) a layer holds
+    num_experts / ep of its experts. Measured on one H100 (docs/benchmarks.md, Muse Spark Open at full
+    width): the one-rank terms are the 14.4 GiB the trainer's peak held beyond the rest of the plan."""
     layer, packed = s.largest_layer_params(), s.largest_layer_quantized_params()
     if ep > 1 and s.moe_layers:
         others = s.params.get("experts", 0) / s.moe_layers * (1 - 1 / ep)
@@ -565,10 +589,12 @@ def trainer_gathered(s: ModelShape, base_format: str, ranks: int, wbytes: int, e
     dense = s.params.get("embeddings", 0) * wbytes
     if base_format != "nvfp4":
         return 0.0 if ranks == 1 else 2 * layer * wbytes + dense
-    dequantized = packed * wbytes
+    largest = s.largest_quantized_weight(ep)
+    dequantized = packed * wbytes + largest * DEQUANT_SCALE_BYTES
+    gathered_layer = packed * NVFP4_BYTES + (layer - packed) * wbytes
     if ranks == 1:
-        return dequantized
-    return 2 * (packed * NVFP4_BYTES + (layer - packed) * wbytes) + dequantized + dense
+        return gathered_layer + largest * NVFP4_BYTES + dequantized
+    return 2 * gathered_layer + dequantized + dense
 
 
 def trainer_activations(cfg, s: ModelShape, tokens: int, abytes: int) -> float:
@@ -896,13 +922,15 @@ def _training_hints(p: Plan, cfg, sleeping: float, need_ranks: list[tuple[int, s
     if fixed < G:
         need_ranks.append((math.ceil(sharded / (G - fixed)), "for the training phase"))
     wbytes = DTYPE_BYTES[cfg.model.dtype]
-    if p.logits_tokens > DEFAULT_LOGITS_CHUNK:
-        chunked = _logits_bytes(DEFAULT_LOGITS_CHUNK, p.shape.vocab, wbytes, cfg.rollout.top_p < 1)
+    # the default chunk, else half the one in use (a chunk is one pass of the head: a smaller one only adds passes)
+    chunk = DEFAULT_LOGITS_CHUNK if p.logits_tokens > DEFAULT_LOGITS_CHUNK else p.logits_tokens // 2
+    if chunk >= MIN_LOGITS_CHUNK:
+        chunked = _logits_bytes(chunk, p.shape.vocab, wbytes, cfg.rollout.top_p < 1)
         changes.append(
             Change(
-                f"trainer.logits_chunk_tokens={DEFAULT_LOGITS_CHUNK} cuts the LM head's logits from "
+                f"trainer.logits_chunk_tokens={chunk} cuts the LM head's logits from "
                 f"{gib(p.t_logits)} to {gib(chunked)}",
-                {"trainer.logits_chunk_tokens": DEFAULT_LOGITS_CHUNK},
+                {"trainer.logits_chunk_tokens": chunk},
             )
         )
     longest = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
@@ -1137,14 +1165,19 @@ def format_plan(p: Plan, recipe: str = "") -> str:
         f"  LoRA state   {g(p.t_lora_state)}   {_b(p.lora_params_trainer)} LoRA parameters + "
         "gradients + AdamW m, v; sharded"
     )
-    what = (
-        "two decoder layers packed, the computing one dequantized"
-        if p.base_format == "nvfp4"
-        else "two decoder layers"
-    )
-    lines.append(
-        f"  gathered     {g(p.t_gathered)}   {what} ({_b(s.largest_layer_params())} each) + embeddings/output"
-    )
+    if p.base_format != "nvfp4":
+        what = f"two decoder layers ({_b(s.largest_layer_params())} each) + embeddings/output"
+    elif p.ranks == 1:
+        what = (
+            f"the computing decoder layer ({_b(s.largest_layer_params())}) packed (FSDP's one-rank copy) "
+            "and dequantized"
+        )
+    else:
+        what = (
+            f"two decoder layers packed, the computing one dequantized ({_b(s.largest_layer_params())} "
+            "each) + embeddings/output"
+        )
+    lines.append(f"  gathered     {g(p.t_gathered)}   {what}")
     lines.append(
         f"  activations  {g(p.t_activations)}   of which the LM head's logits {p.t_logits / GiB:.2f} GiB "
         f"({p.logits_tokens:,} tokens at once)"

@@ -283,9 +283,17 @@ def test_small_model_nvfp4_base_by_hand(small_cfg):
     assert p.t_weights == (245_760 * 0.5625 + 15_552 * 2) / 2
     # the largest layer: 62,128 parameters, of which 61,440 packed (attention 12,288 + experts 49,152)
     assert p.shape.largest_layer_quantized_params() == 12_288 + 49_152
-    assert p.t_gathered == 2 * (61_440 * 0.5625 + 688 * 2) + 61_440 * 2 + 12_800 * 2
+    # the largest weight: the experts' fused gate_up bank (2 / 3 of 49,152); dequantizing it makes its BF16
+    # block scales and FP32 effective scales (6 bytes a 16 weights) beside the layer's BF16 weights
+    assert p.shape.largest_quantized_weight() == 32_768
+    dequantized = 61_440 * 2 + 32_768 * 6 / 16
+    assert p.t_gathered == 2 * (61_440 * 0.5625 + 688 * 2) + dequantized + 12_800 * 2
     one_rank = P.make_plan(small_cfg("trainer.num_ranks=1"), gpu_gib=140)
-    assert one_rank.t_gathered == 61_440 * 2  # nothing to gather; the dequantized layer all the same
+    # nothing to gather, but FSDP2's one-rank path copies the layer's packed bytes (its gather inputs), the
+    # largest weight's input alive through the copy
+    assert one_rank.t_gathered == (61_440 * 0.5625 + 688 * 2) + 32_768 * 0.5625 + dequantized
+    # with expert parallelism the bank holds num_experts / EP experts
+    assert p.shape.largest_quantized_weight(ep=2) == 16_384
     bf16 = P.make_plan(small_cfg("trainer.base_format=bf16"), gpu_gib=140)
     assert p.t_weights < 0.35 * bf16.t_weights and p.t_gathered < bf16.t_gathered
 

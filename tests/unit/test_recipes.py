@@ -62,7 +62,7 @@ def test_muse_fits_16_h200s_with_its_nvfp4_base():
     p = P.make_plan(cfg)
     assert p.fits and p.base_format == "nvfp4" and p.logits_tokens == 4096
     assert p.margin / GiB == pytest.approx(11.0, abs=0.05)  # the margin the recipe's comment states
-    assert p.t_peak / GiB == pytest.approx(79.4, abs=0.05)  # expert parallelism 8
+    assert p.t_peak / GiB == pytest.approx(79.7, abs=0.05)  # expert parallelism 8
     # The BF16 base does not fit an H200 and fits the reference run's GB300s (the recipe's example line).
     assert not P.make_plan(load_config(path, ["trainer.base_format=bf16"])).fits
     gb300 = ["trainer.base_format=bf16", "resources.gpu_memory_gib=288", "rollout.gpu_memory_utilization=0.5"]
