@@ -91,7 +91,8 @@ def test_combined_advice_fits_when_no_single_change_does():
     q = P.make_plan(cfg, quantized=True, advise=False)
     assert not q.fits
     fixed = load_config(
-        ROOT / "recipes" / "qwen3_30b_a3b_dapo_lora.yaml", [*ONE_GPU, "resources.gpu_memory_gib=80", *settings]
+        ROOT / "recipes" / "qwen3_30b_a3b_dapo_lora.yaml",
+        [*ONE_GPU, "resources.gpu_memory_gib=80", *settings],
     )
     assert P.make_plan(fixed, quantized=True, advise=False).fits
 
