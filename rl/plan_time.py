@@ -13,8 +13,12 @@ and R default to rollout.max_prompt_len and rollout.max_response_len, the bounds
   (`decode_step_s` with CUDA graphs; with rollout.enforce_eager, `decode_layer_step_eager_s` a decoder
   layer, where the device kind has it: each layer's kernels launched one by one), plus a sequence's own cost
   a step where measured in that mode (`decode_seq_s` with CUDA graphs, `decode_seq_eager_s` eager:
-  sampling, log-probs, routing capture), plus the larger of reading the weights an
-  engine GPU holds (`hbm_gbps`) and 2 N_active FLOPs a sequence over TP GPUs (`decode_tflops`);
+  sampling, log-probs, routing capture), plus reading the weights an engine GPU holds
+  (`hbm_gbps`; of the experts, the share a wave's tokens route to: 1 - (1 - top_k / num_experts)^wave),
+  plus 2 N_active FLOPs a sequence over TP GPUs (`decode_tflops`). The read and the FLOPs add: a decode
+  step's expert matmuls see a few tokens an expert and are bound by the read, while the attention, the
+  LoRA, the head and the sampler grow with the wave (on one H100 at full width the sum fits batch 64, 128
+  and 256 within 2 %; the larger of the two missed batch 128 by 23 %);
 - rollout prefill: 2 N_active FLOPs a prompt token (a prompt once with rollout.enable_prefix_caching, n times
   without) at `prefill_tflops` a GPU;
 - the log-prob pass (when it runs: docs/design.md, step 4): 2 N_active FLOPs a trainer token (Lp + R) at
@@ -155,6 +159,21 @@ def active_params(s) -> float:
     return n + s.vocab * s.hidden
 
 
+def decode_read_bytes(plan, wave: int) -> float:
+    """Bytes an engine GPU reads a decode step of `wave` sequences: its weights and LoRA slot, the routed
+    experts only where the wave's tokens route (each token top_k of num_experts, taken as uniform)."""
+    from rl.plan import stored_bytes
+
+    s = plan.shape
+    everything = plan.r_weights + plan.r_lora
+    if not s.num_experts or not s.params.get("experts"):
+        return everything
+    wbytes = plan.weight_bytes
+    experts = stored_bytes({"experts": s.params["experts"]}, plan.rollout_format, wbytes) / plan.tp
+    touched = 1 - (1 - s.top_k / s.num_experts) ** max(wave, 1)
+    return everything - experts * (1 - touched)
+
+
 def logprob_pass_runs(cfg) -> bool:
     """Whether step 4 is a pass of its own (docs/design.md): not for one on-policy optimizer step a batch
     without TIS/MIS, LoRA dropout, live-routing KL or stop_on_violation."""
@@ -225,7 +244,7 @@ def estimate_step(
         wave = max(1, min(wave, plan.seqs_fit))
     waves = math.ceil(per_engine / wave)
     weights_gpu = plan.r_weights + plan.r_lora
-    mem_s = weights_gpu / (r("hbm_gbps").value * 1e9)
+    mem_s = decode_read_bytes(plan, wave) / (r("hbm_gbps").value * 1e9)
     flop_s = 2 * N * wave / tp / (r("decode_tflops").value * 1e12)
     enforce_eager = engine_setting(ro, "enforce_eager")
     eager = o("decode_layer_step_eager_s") if enforce_eager else None
@@ -233,7 +252,7 @@ def estimate_step(
     if enforce_eager and not eager and gpus:
         est.notes.append("rollout.enforce_eager: no eager decode figure for this device; the CUDA-graph one")
     per_seq = o("decode_seq_eager_s" if enforce_eager else "decode_seq_s")
-    step = host + (per_seq.value * wave if per_seq else 0.0) + max(mem_s, flop_s)
+    step = host + (per_seq.value * wave if per_seq else 0.0) + mem_s + flop_s
     est.phases["rollout decode"] = waves * R * step
     prompts = S if not ro.enable_prefix_caching else cfg.data.train_batch_size
     est.phases["rollout prefill"] = 2 * N * prompts * Lp / (engines * tp * r("prefill_tflops").value * 1e12)

@@ -4,6 +4,8 @@ and the estimate against measured CPU steps (rl/rates.yaml `runs`, within 30 %).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from rl import plan_time
@@ -96,6 +98,54 @@ def test_muse_ep_comparison():
     assert rows[8][0] == "fits" and rows[8][1].step_s < rows[1][1].step_s
     # the recipe takes the faster layout that fits
     assert load_config(MUSE, []).trainer.expert_parallel_size == 8
+
+
+def test_a_decode_step_reads_the_experts_its_wave_routes_to():
+    """A decode step reads the engine's weights, of the routed experts the share a wave's tokens route to,
+    and adds that read to the FLOPs (the sum fitted one H100's full-width decode at three batch sizes)."""
+    cfg = load_config(MUSE)
+    p = make_plan(cfg, advise=False)
+    s = p.shape
+    everything = p.r_weights + p.r_lora
+    experts = s.params["experts"] * (0.5 + 1 / 16) / p.tp  # NVFP4 experts on each of the engine's TP GPUs
+    one = plan_time.decode_read_bytes(p, 1)
+    assert one == pytest.approx(everything - experts * (1 - s.top_k / s.num_experts))
+    assert plan_time.decode_read_bytes(p, 16) < plan_time.decode_read_bytes(p, 128) < everything
+    assert plan_time.decode_read_bytes(p, 4096) == pytest.approx(everything)
+    # the read adds to the step: a memory twice as fast takes half the read off every decode step
+    est = plan_time.estimate_step(cfg, p)
+    rates = copy.deepcopy(plan_time.load_rates())
+    rates["devices"][est.kind]["rates"]["hbm_gbps"]["value"] *= 2
+    faster = plan_time.estimate_step(cfg, p, rates=rates)
+    wave = 128  # 2 engines of the 256 sequences, one wave each (the KV cache holds 198)
+    read_s = plan_time.decode_read_bytes(p, wave) / (est.rates["hbm_gbps"].value * 1e9)
+    steps = cfg.rollout.max_response_len
+    assert est.phases["rollout decode"] - faster.phases["rollout decode"] == pytest.approx(steps * read_s / 2)
+
+
+def test_bench_rates_decode_line_is_what_the_plan_adds_to_the_read():
+    """bench.rates fits its decode line to each measured step less the weights' read (the plan adds the
+    read on its own), so a step made of a host time, the read and a cost a sequence gives those back. The
+    engine is a fake that returns such steps: the GPU timing it stands for does not run here."""
+    from argparse import Namespace
+
+    from bench import rates as bench_rates
+
+    cfg = load_config("recipes/demo_cpu.yaml")
+    p = make_plan(cfg, advise=False)
+    gbps, host, per_seq = 10.0, 0.004, 2e-5
+
+    def step(batch: int) -> float:
+        return host + plan_time.decode_read_bytes(p, batch) / (gbps * 1e9) + per_seq * batch
+
+    class Engine:
+        @staticmethod
+        def timed(s, batch, prompt_len, tokens, seed):
+            return step(batch) * tokens, batch * tokens  # seconds, tokens generated: `tokens` steps
+
+    a, b, steps = bench_rates._decode_line(Namespace(cfg=cfg), Engine, gbps)
+    assert a == pytest.approx(host) and b == pytest.approx(per_seq)
+    assert steps[64] == pytest.approx(step(64)) and steps[512] == pytest.approx(step(512))
 
 
 def test_logprob_pass_only_when_it_runs():
