@@ -371,6 +371,14 @@ class MonitorConfig:
     )
     trend_window: int = _f(10, "Steps averaged at each end for the trend check.", ge=1)
     stop_on_violation: bool = _f(False, "Stop the run on a violation (otherwise warn and record it).")
+    save_violations: int = _f(
+        20,
+        "Write the evidence of the first N steps over the KL budget (`monitor.k3_kl_max`, the trend) to "
+        "`kl_violations/` in the run "
+        "directory: every sampled token's trainer and rollout log-probs (`step_N.npz`) and the tokens and "
+        "samples with the largest gaps (`step_N.json`) (0 = none).",
+        ge=0,
+    )
     flat_reward_steps: int = _f(
         3,
         "Warn, naming the likely causes, after this many steps in a row whose every group had equal "

@@ -33,7 +33,7 @@ from rl.core import algo
 from rl.core.batch import RoutingLost, Sample
 from rl.data.loader import Prompt, PromptLoader
 from rl.metrics import MetricsLogger
-from rl.monitor import KLMonitor, StopRun
+from rl.monitor import KLMonitor, StopRun, save_violation
 from rl.rollout_ahead import Generated, RolloutAhead
 from rl.rollout_records import flat_group_fraction, flat_reward_warning, rollout_rows, write_rollouts
 from rl.setup import build_components, prompt_requests, sampling_spec
@@ -353,6 +353,9 @@ class Run:
         warning = self.monitor.check(metrics["rollout_corr/k3_kl"])
         if warning:
             self.log.event(f"[red]step {step}: KL budget broken: {warning}")
+            if self.monitor.violations <= self.cfg.monitor.save_violations:
+                path = save_violation(self.dir, step, samples, logp, metrics)
+                self.log.event(f"step {step}: the tokens and samples where trainer and rollout part: {path}")
             if self.cfg.monitor.stop_on_violation:
                 self.checkpoint()
                 raise StopRun(f"step {step}: {warning} (monitor.stop_on_violation is set)")

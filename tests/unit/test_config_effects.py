@@ -72,6 +72,7 @@ DRIVER_READS = {
     "monitor.k3_kl_trend_max": "rl.driver.Run.__init__",
     "monitor.trend_window": "rl.driver.Run.__init__",
     "monitor.stop_on_violation": "rl.driver.Run._score_and_update",
+    "monitor.save_violations": "rl.driver.Run._check_kl",
     "monitor.flat_reward_steps": "rl.driver.Run._check_flat_rewards",
     "logging.console_every": "rl.driver.Run.__init__",
     "logging.tensorboard": "rl.driver.Run.__init__",

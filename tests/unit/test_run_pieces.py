@@ -50,6 +50,73 @@ def test_kl_monitor_flags_the_budget_and_the_trend():
     assert "k3_kl_max" in KLMonitor(k3_kl_max=1.0).check(float("nan"))
 
 
+def _batch(gap_at: tuple[int, int], gap: float):
+    """Four samples whose trainer log-probs equal the rollout's but for one token (sample, position)."""
+    import numpy as np
+
+    from rl.core.batch import Sample
+
+    rng = np.random.default_rng(0)
+    samples, trainer = [], []
+    for i, n in enumerate((5, 9, 3, 7)):
+        lp = -rng.random(n).astype(np.float32)
+        samples.append(Sample([1, 2], list(range(10, 10 + n)), lp, "stop", 4, i // 2))
+        t = lp.copy() + np.float32(1e-4)  # a small gap everywhere
+        if i == gap_at[0]:
+            t[gap_at[1]] += np.float32(gap)
+        trainer.append(t)
+    return samples, trainer
+
+
+def test_a_kl_violation_saves_where_trainer_and_rollout_part(tmp_path):
+    import numpy as np
+
+    from rl.driver import mismatch_metrics
+    from rl.monitor import save_violation
+
+    samples, trainer = _batch((1, 6), 0.35)
+    metrics = mismatch_metrics(trainer, samples)
+    path = save_violation(tmp_path, 10, samples, trainer, metrics)
+    assert path == tmp_path / "kl_violations" / "step_000010.json"
+    summary = json.loads(path.read_text())
+    top = summary["largest_gaps"][0]
+    assert (top["sample"], top["position"], top["response_len"], top["token_id"]) == (1, 6, 9, 16)
+    assert top["gap"] == pytest.approx(0.35 + 1e-4, rel=1e-3) and top["group"] == 0
+    worst = summary["largest_sample_k3"][0]
+    assert worst["sample"] == 1 and worst["share_of_step_k3"] > 0.99
+    assert summary["metrics"]["rollout_corr/k3_kl"] == metrics["rollout_corr/k3_kl"]
+    # the per-token arrays, flat with offsets, load without pickle; their k3 is the step's
+    arrays = np.load(tmp_path / "kl_violations" / summary["arrays"], allow_pickle=False)
+    assert list(arrays["offsets"]) == [0, 5, 14, 17, 24]
+    d = arrays["trainer_logp"].astype(np.float64) - arrays["rollout_logp"]
+    assert float(np.mean(np.expm1(d) - d)) == pytest.approx(metrics["rollout_corr/k3_kl"], rel=1e-3)
+    assert not list((tmp_path / "kl_violations").glob(".*"))  # no temporary file left
+
+
+def test_the_driver_saves_the_first_violations_only(tmp_path):
+    """Run._check_kl on a stand-in for the run (its monitor, config, directory and log: a whole Run needs
+    engines): the first `monitor.save_violations` steps over the budget leave their evidence."""
+    from types import SimpleNamespace
+
+    from rl.driver import Run
+
+    events = []
+    run = SimpleNamespace(
+        monitor=KLMonitor(k3_kl_max=1e-5),
+        cfg=SimpleNamespace(monitor=SimpleNamespace(save_violations=2, stop_on_violation=False)),
+        dir=tmp_path,
+        log=SimpleNamespace(event=events.append),
+    )
+    calm, _ = _batch((0, 0), 0.0)
+    for step in range(1, 5):
+        samples, trainer = _batch((2, 1), 0.5)
+        Run._check_kl(run, step, trainer, samples)
+    Run._check_kl(run, 5, [s.response_logprobs for s in calm], calm)  # within budget: nothing saved
+    saved = sorted(p.name for p in (tmp_path / "kl_violations").glob("*.json"))
+    assert saved == ["step_000001.json", "step_000002.json"] and run.monitor.violations == 4
+    assert sum("where trainer and rollout part" in e for e in events) == 2
+
+
 def test_checkpoint_is_atomic_and_pruned(tmp_path):
     def trainer_part(d):
         d.mkdir()
