@@ -30,9 +30,10 @@ On a GPU (`--device h100-80gb` or `h200`), the costs that do not scale with FLOP
                     decode_tflops (sampling, log-probs, routing);
   colocate_switch_s the engines' sleep and wake (rollout.placement colocated), median of 3;
   sync_s            bench.sync's hand-over, median of 3, less its bytes at the file's sync_gbps;
-  train_call_s, train_layer_pass_s, logprob_call_s, logprob_layer_pass_s   bench.trainer at S and S / 2
-                    sequences (S the recipe's data.train_batch_size x rollout.n): the line through both in
-                    micro-batches, less the FLOPs at the file's rates; its slope over the decoder layers;
+  train_call_s, train_layer_pass_eager_s (trainer.compile false) or train_layer_pass_s, and the same for
+                    logprob   bench.trainer at S and S / 2 sequences (S the recipe's data.train_batch_size x
+                    rollout.n): the line through both in micro-batches, less the FLOPs at the file's rates;
+                    its slope over the decoder layers;
   step_overhead_s   the reward of S responses in this process;
   hbm_gbps          a 1 GiB device-to-device copy, bytes read and written;
   dequant_gbps      the trainer's NVFP4 dequantization of a 2^30-weight expert bank, BF16 bytes written.
@@ -329,6 +330,7 @@ def _trainer_fixed_costs(s, S: int, N: float, L: int, given, m, bench_trainer) -
 
     tr = s.cfg.trainer
     k = 8 if tr.activation_checkpointing else 6
+    mode = "" if tr.compile else "_eager"  # the per-layer cost of compiled layers and of eager ones differ
     seq, measured = 84, {}
     for n in (S, S // 2):
         args = Namespace(samples=n, seq_len=seq, prompt_len=69, warmup=1, steps=3, peak_tflops=0.0)
@@ -345,7 +347,7 @@ def _trainer_fixed_costs(s, S: int, N: float, L: int, given, m, bench_trainer) -
     for name, hi, lo in (("train", t1, t2), ("logprob", l1, l2)):
         per_micro = max((hi - lo) / max(m1 - m2, 1), 0.0)
         note = f"bench.trainer at {S} and {S // 2} sequences of {seq} tokens ({m1} and {m2} micro-batches)"
-        out[f"{name}_layer_pass_s"] = m(per_micro / L, f"{note}: the slope over {L} decoder layers")
+        out[f"{name}_layer_pass{mode}_s"] = m(per_micro / L, f"{note}: the slope over {L} decoder layers")
         out[f"{name}_call_s"] = m(max(lo - m2 * per_micro, 0.0), f"{note}: the intercept")
     return out
 

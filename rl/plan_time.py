@@ -25,8 +25,10 @@ and R default to rollout.max_prompt_len and rollout.max_response_len, the bounds
   `logprob_tflops` a rank; the train passes: 6 N_active a token a epoch (8 N_active with
   trainer.activation_checkpointing: the forward recomputed) at `train_tflops` a rank; each pass also costs
   what does not scale with FLOPs, where the device kind has the figures: `train_call_s` a call (the Ray
-  call, batching, the optimizer) and `train_layer_pass_s` a decoder layer a micro-batch (kernel launches,
-  the layer's gather and hooks), and `logprob_call_s`, `logprob_layer_pass_s` for the log-prob pass;
+  call, batching, the optimizer) and a decoder layer a micro-batch (the layer's kernels launched, its
+  gather and hooks) by how the layers run: `train_layer_pass_eager_s` uncompiled (CPU, trainer.compile
+  false: each kernel launched one by one), `train_layer_pass_s` compiled; `logprob_call_s` and
+  `logprob_layer_pass_eager_s` / `logprob_layer_pass_s` for the log-prob pass;
 - FSDP2 all-gathers per micro-batch and pass (the forward, and the backward's re-gather): every rank receives
   (g - 1) / g of each gathered weight, g the ranks sharing it; without expert parallelism (EP) every weight
   over all trainer ranks, with EP the experts (bank and LoRA) over the num_ranks / EP ranks holding the same
@@ -265,8 +267,11 @@ def estimate_step(
     n_tr = ranks if not gpus else 0  # CPU ranks share the cores: the rate measured at that rank count
     logprob = logprob_pass_runs(cfg)
 
+    compiled = gpus and tr.compile  # the trainer compiles its layers on GPUs only
+    mode = "" if compiled else "_eager"
+
     def fixed(pass_: str, passes: int) -> float:  # the pass's cost besides its FLOPs, where measured
-        call, layer = o(f"{pass_}_call_s", n_tr), o(f"{pass_}_layer_pass_s", n_tr)
+        call, layer = o(f"{pass_}_call_s", n_tr), o(f"{pass_}_layer_pass{mode}_s", n_tr)
         per_layer = layer.value * s.num_layers * micro_batches * passes if layer else 0.0
         return (call.value if call else 0.0) + per_layer
 
