@@ -24,7 +24,9 @@ The model (figures per GPU; GiB = 2**30 bytes):
   parameters, gradients and AdamW moments in float32, sharded (experts as the trainer holds them:
   gate_up fused, one A for both). Gathered: two decoder layers at once (the one computing and the next,
   prefetched) plus the embeddings and output; with the nvfp4 base the two layers arrive packed and the
-  computing one is dequantized into a model.dtype buffer of its own. Activations of one micro-batch (each
+  computing one is dequantized into a model.dtype buffer of its own, its largest weight's scales beside it in
+  BF16 and FP32 while it dequantizes (one rank gathers nothing, but FSDP2 copies the computing layer's packed
+  bytes all the same). Activations of one micro-batch (each
   layer's input kept under activation checkpointing; with trainer.activation_memory_budget B on compiled GPU
   layers, the compiled graphs' inputs plus B of the rest that no checkpointing would keep; one layer's
   working set; the LM head's logits of one trainer.logits_chunk_tokens chunk in model.dtype plus their fp32
