@@ -201,9 +201,8 @@ def measure_cpu(recipe: str, overrides: list[str], command: str) -> dict:
 def _decode_line(s, bench_rollout, gbps: float) -> tuple[float, float, dict[int, float]]:
     """(a, b, seconds a decode step by batch) of the line a + b x batch through the engine's decode step at
     batch 64 and 512 (prompts of 24 tokens, 16 generated; the median of 3 after a warm-up), each step less
-    the weights it reads at `gbps` (rl.plan_time.decode_read_bytes), which the plan adds on its own."""
+    the weights it reads at `gbps` (rl.plan.Plan.decode_read_bytes), which the plan adds on its own."""
     from rl.plan import make_plan
-    from rl.plan_time import decode_read_bytes
 
     plan = make_plan(s.cfg, advise=False)
     steps, rest = {}, {}
@@ -212,7 +211,7 @@ def _decode_line(s, bench_rollout, gbps: float) -> tuple[float, float, dict[int,
         runs = sorted(bench_rollout.timed(s, b, 24, 16, seed=b + 1000 * r) for r in range(3))
         sec, tokens = runs[1]
         steps[b] = sec / max(tokens / b, 1)
-        rest[b] = steps[b] - decode_read_bytes(plan, b) / (gbps * 1e9)
+        rest[b] = steps[b] - plan.decode_read_bytes(b) / (gbps * 1e9)
     per_seq = (rest[512] - rest[64]) / (512 - 64)
     return max(rest[64] - 64 * per_seq, 0.0), per_seq, steps
 

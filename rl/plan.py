@@ -500,6 +500,18 @@ class Plan:
     notes: list[str] = field(default_factory=list)  # what the plan says with no change to apply
     kv_target: float = 0.0  # the gpu_memory_utilization at which vLLM holds every sequence at once
 
+    def decode_read_bytes(self, wave: int) -> float:
+        """Bytes an engine GPU reads a decode step of `wave` sequences (rl/plan_time.py): its weights and LoRA
+        slot, the routed experts only where the wave's tokens route (each token top_k of num_experts, taken
+        as uniform)."""
+        s = self.shape
+        everything = self.r_weights + self.r_lora
+        if not s.num_experts or not s.params.get("experts"):
+            return everything
+        experts = stored_bytes({"experts": s.params["experts"]}, self.rollout_format, self.weight_bytes)
+        touched = 1 - (1 - s.top_k / s.num_experts) ** max(wave, 1)
+        return everything - experts / self.tp * (1 - touched)
+
     @property
     def r_beside_kv(self) -> float:
         """What vLLM holds on a GPU besides its KV cache: weights, the LoRA slot, activations, runtime."""

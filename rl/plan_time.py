@@ -161,21 +161,6 @@ def active_params(s) -> float:
     return n + s.vocab * s.hidden
 
 
-def decode_read_bytes(plan, wave: int) -> float:
-    """Bytes an engine GPU reads a decode step of `wave` sequences: its weights and LoRA slot, the routed
-    experts only where the wave's tokens route (each token top_k of num_experts, taken as uniform)."""
-    from rl.plan import stored_bytes
-
-    s = plan.shape
-    everything = plan.r_weights + plan.r_lora
-    if not s.num_experts or not s.params.get("experts"):
-        return everything
-    wbytes = plan.weight_bytes
-    experts = stored_bytes({"experts": s.params["experts"]}, plan.rollout_format, wbytes) / plan.tp
-    touched = 1 - (1 - s.top_k / s.num_experts) ** max(wave, 1)
-    return everything - experts * (1 - touched)
-
-
 def logprob_pass_runs(cfg) -> bool:
     """Whether step 4 is a pass of its own (docs/design.md): not for one on-policy optimizer step a batch
     without TIS/MIS, LoRA dropout, live-routing KL or stop_on_violation."""
@@ -246,7 +231,7 @@ def estimate_step(
         wave = max(1, min(wave, plan.seqs_fit))
     waves = math.ceil(per_engine / wave)
     weights_gpu = plan.r_weights + plan.r_lora
-    mem_s = decode_read_bytes(plan, wave) / (r("hbm_gbps").value * 1e9)
+    mem_s = plan.decode_read_bytes(wave) / (r("hbm_gbps").value * 1e9)
     flop_s = 2 * N * wave / tp / (r("decode_tflops").value * 1e12)
     enforce_eager = engine_setting(ro, "enforce_eager")
     eager = o("decode_layer_step_eager_s") if enforce_eager else None

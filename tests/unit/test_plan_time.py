@@ -108,17 +108,17 @@ def test_a_decode_step_reads_the_experts_its_wave_routes_to():
     s = p.shape
     everything = p.r_weights + p.r_lora
     experts = s.params["experts"] * (0.5 + 1 / 16) / p.tp  # NVFP4 experts on each of the engine's TP GPUs
-    one = plan_time.decode_read_bytes(p, 1)
+    one = p.decode_read_bytes(1)
     assert one == pytest.approx(everything - experts * (1 - s.top_k / s.num_experts))
-    assert plan_time.decode_read_bytes(p, 16) < plan_time.decode_read_bytes(p, 128) < everything
-    assert plan_time.decode_read_bytes(p, 4096) == pytest.approx(everything)
+    assert p.decode_read_bytes(16) < p.decode_read_bytes(128) < everything
+    assert p.decode_read_bytes(4096) == pytest.approx(everything)
     # the read adds to the step: a memory twice as fast takes half the read off every decode step
     est = plan_time.estimate_step(cfg, p)
     rates = copy.deepcopy(plan_time.load_rates())
     rates["devices"][est.kind]["rates"]["hbm_gbps"]["value"] *= 2
     faster = plan_time.estimate_step(cfg, p, rates=rates)
     wave = 128  # 2 engines of the 256 sequences, one wave each (the KV cache holds 198)
-    read_s = plan_time.decode_read_bytes(p, wave) / (est.rates["hbm_gbps"].value * 1e9)
+    read_s = p.decode_read_bytes(wave) / (est.rates["hbm_gbps"].value * 1e9)
     steps = cfg.rollout.max_response_len
     assert est.phases["rollout decode"] - faster.phases["rollout decode"] == pytest.approx(steps * read_s / 2)
 
@@ -136,7 +136,7 @@ def test_bench_rates_decode_line_is_what_the_plan_adds_to_the_read():
     gbps, host, per_seq = 10.0, 0.004, 2e-5
 
     def step(batch: int) -> float:
-        return host + plan_time.decode_read_bytes(p, batch) / (gbps * 1e9) + per_seq * batch
+        return host + p.decode_read_bytes(batch) / (gbps * 1e9) + per_seq * batch
 
     class Engine:
         @staticmethod
