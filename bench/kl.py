@@ -24,7 +24,7 @@ from bench.common import Bench, main, sync_adapter
 
 def _row(name: str, trainer_logp: list, samples: list, extra: dict | None = None) -> dict:
     from rl.core import algo
-    from rl.driver import mismatch_tensors
+    from rl.monitor import mismatch_tensors
 
     padded = mismatch_tensors(trainer_logp, samples)
     m = algo.rollout_mismatch_metrics(*padded)

@@ -33,7 +33,7 @@ from rl.core import algo
 from rl.core.batch import RoutingLost, Sample
 from rl.data.loader import Prompt, PromptLoader
 from rl.metrics import MetricsLogger
-from rl.monitor import KLMonitor, StopRun, save_violation
+from rl.monitor import KLMonitor, StopRun, mismatch_tensors, save_violation
 from rl.rollout_ahead import Generated, RolloutAhead
 from rl.rollout_records import flat_group_fraction, flat_reward_warning, rollout_rows, write_rollouts
 from rl.setup import build_components, prompt_requests, sampling_spec
@@ -650,23 +650,6 @@ class Run:
             import ray
 
             ray.shutdown()
-
-
-def mismatch_tensors(
-    trainer_logp: list[np.ndarray], samples: list[Sample]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The trainer's and the rollout's response log-probs, padded to [B, T] float64, and their mask (the
-    tokens the policy sampled)."""
-    width = max(len(s.response_ids) for s in samples)
-    t = torch.zeros(len(samples), width, dtype=torch.float64)
-    r = torch.zeros_like(t)
-    mask = torch.zeros_like(t)
-    for i, (lp, s) in enumerate(zip(trainer_logp, samples)):
-        n = len(s.response_ids)
-        t[i, :n] = torch.from_numpy(np.array(lp, dtype=np.float64))
-        r[i, :n] = torch.from_numpy(np.array(s.response_logprobs, dtype=np.float64))
-        mask[i, :n] = torch.from_numpy(s.generated())
-    return t, r, mask
 
 
 def mismatch_metrics(trainer_logp: list[np.ndarray], samples: list[Sample]) -> dict:

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rl.core.algo import _k3
+from rl.core.algo import _k3, k3_sequence_sums
+from rl.core.batch import Sample
 
 
 class StopRun(RuntimeError):
@@ -69,7 +70,26 @@ TOP_TOKENS = 20  # the tokens with the largest |trainer - rollout| log-prob gap 
 TOP_SAMPLES = 10  # likewise the samples by their own k3
 
 
-def save_violation(run_dir: Path, step: int, samples: list, trainer_logp: list, metrics: dict) -> Path:
+def mismatch_tensors(
+    trainer_logp: list[np.ndarray], samples: list[Sample]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trainer's and the rollout's response log-probs, padded to [B, T] float64, and their mask (the
+    tokens the policy sampled)."""
+    width = max(len(s.response_ids) for s in samples)
+    t = torch.zeros(len(samples), width, dtype=torch.float64)
+    r = torch.zeros_like(t)
+    mask = torch.zeros_like(t)
+    for i, (lp, s) in enumerate(zip(trainer_logp, samples)):
+        n = len(s.response_ids)
+        t[i, :n] = torch.from_numpy(np.array(lp, dtype=np.float64))
+        r[i, :n] = torch.from_numpy(np.array(s.response_logprobs, dtype=np.float64))
+        mask[i, :n] = torch.from_numpy(s.generated())
+    return t, r, mask
+
+
+def save_violation(
+    run_dir: Path, step: int, samples: list[Sample], trainer_logp: list[np.ndarray], metrics: dict
+) -> Path:
     """A step over the KL budget, as evidence: `kl_violations/step_N.npz` holds every response token's ids and
     both log-probs, flat, with each sample's offset into them (`np.load` without pickle), and
     `step_N.json` the step's `rollout_corr/*` metrics, the tokens with the largest gaps and the samples
@@ -79,19 +99,15 @@ def save_violation(run_dir: Path, step: int, samples: list, trainer_logp: list, 
     JSON's path."""
     out = Path(run_dir) / VIOLATIONS_DIR
     out.mkdir(parents=True, exist_ok=True)
-    lengths = np.array([len(s.response_ids) for s in samples], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    rollout = np.concatenate([np.asarray(s.response_logprobs, np.float32) for s in samples])
-    trainer = np.concatenate(
-        [np.asarray(lp, np.float32)[: len(s.response_ids)] for lp, s in zip(trainer_logp, samples)]
-    )
-    sampled = np.concatenate([s.generated() for s in samples])
+    lengths = [len(s.response_ids) for s in samples]
     arrays = {
-        "offsets": offsets,
+        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         "response_ids": np.concatenate([np.asarray(s.response_ids, np.int64) for s in samples]),
-        "rollout_logp": rollout,
-        "trainer_logp": trainer,
-        "sampled": sampled,
+        "rollout_logp": np.concatenate([np.asarray(s.response_logprobs, np.float32) for s in samples]),
+        "trainer_logp": np.concatenate(
+            [np.asarray(lp, np.float32)[: len(s.response_ids)] for lp, s in zip(trainer_logp, samples)]
+        ),
+        "sampled": np.concatenate([s.generated() for s in samples]),
         "prompt_lens": np.array([len(s.prompt_ids) for s in samples], dtype=np.int64),
         "groups": np.array([s.group for s in samples], dtype=np.int64),
         "adapter_versions": np.array([s.adapter_version for s in samples], dtype=np.int64),
@@ -102,55 +118,52 @@ def save_violation(run_dir: Path, step: int, samples: list, trainer_logp: list, 
         np.savez_compressed(f, **arrays)
     os.replace(tmp, out / f"{stem}.npz")
 
-    d = trainer.astype(np.float64) - rollout.astype(np.float64)  # log(p_trainer / p_rollout) a token
-    k3 = np.where(sampled, _k3(torch.from_numpy(d)).numpy(), 0.0)  # as rollout_corr/k3_kl counts it
-    sample_of = np.repeat(np.arange(len(samples)), lengths)
+    t, r, mask = mismatch_tensors(trainer_logp, samples)
+    d = t - r  # log(p_trainer / p_rollout) a token
+    sums, counts = k3_sequence_sums(t, r, mask)  # each sample's k3, as rollout_corr/k3_kl counts it
+    total = float(sums.sum())
 
-    def where(i: int) -> dict:
-        b = int(sample_of[i])
+    def sample(b: int) -> dict:
         s = samples[b]
         return {
             "sample": b,
             "group": int(s.group),
-            "position": int(i - offsets[b]),
-            "response_len": int(lengths[b]),
+            "response_len": lengths[b],
             "finish_reason": s.finish_reason,
             "adapter_version": int(s.adapter_version),
         }
 
-    gaps = np.where(sampled, np.abs(d), -1.0)
-    top = np.argsort(-gaps, kind="stable")[: min(TOP_TOKENS, int(sampled.sum()))]
-    tokens = [
-        {
-            **where(int(i)),
-            "token_id": int(arrays["response_ids"][i]),
-            "rollout_logp": float(rollout[i]),
-            "trainer_logp": float(trainer[i]),
-            "gap": float(d[i]),
-            "k3": float(k3[i]),
-        }
-        for i in top
-    ]
-    per_sample = np.add.reduceat(k3, offsets[:-1]) if len(k3) else np.zeros(0)
-    counted = np.add.reduceat(sampled.astype(np.int64), offsets[:-1]) if len(k3) else np.zeros(0)
-    mean_k3 = np.where(counted > 0, per_sample / np.maximum(counted, 1), 0.0)
-    worst = np.argsort(-mean_k3, kind="stable")[:TOP_SAMPLES]
+    gaps = torch.where(mask.bool(), d.abs(), -1.0).flatten()
+    top = torch.argsort(gaps, descending=True, stable=True)[: min(TOP_TOKENS, int(counts.sum()))]
+    tokens = []
+    for i in top.tolist():
+        b, pos = divmod(i, d.shape[1])
+        tokens.append(
+            {
+                **sample(b),
+                "position": pos,
+                "token_id": int(samples[b].response_ids[pos]),
+                "rollout_logp": float(r[b, pos]),
+                "trainer_logp": float(t[b, pos]),
+                "gap": float(d[b, pos]),
+                "k3": float(_k3(d[b, pos])),
+            }
+        )
+    mean = sums / counts.clamp(min=1)
+    worst = torch.argsort(mean, descending=True, stable=True)[:TOP_SAMPLES]
     summary = {
         "step": step,
         "metrics": {k: v for k, v in metrics.items() if k.startswith("rollout_corr/")},
         "samples": len(samples),
-        "tokens": int(sampled.sum()),
+        "tokens": int(counts.sum()),
         "largest_gaps": tokens,
         "largest_sample_k3": [
             {
-                "sample": int(b),
-                "group": int(samples[b].group),
-                "response_len": int(lengths[b]),
-                "finish_reason": samples[b].finish_reason,
-                "k3_mean": float(mean_k3[b]),
-                "share_of_step_k3": float(per_sample[b] / k3.sum()) if k3.sum() > 0 else 0.0,
+                **sample(b),
+                "k3_mean": float(mean[b]),
+                "share_of_step_k3": float(sums[b]) / total if total > 0 else 0.0,
             }
-            for b in worst
+            for b in worst.tolist()
         ],
         "arrays": f"{stem}.npz",
     }
