@@ -119,6 +119,12 @@ ONE_STEP_DEMO = {
 
 
 @pytest.fixture(scope="session")
+def one_step_demo() -> list[str]:
+    """ONE_STEP_DEMO as `key=value` overrides of a command line."""
+    return [f"{k}={json.dumps(v)}" for k, v in ONE_STEP_DEMO.items()]
+
+
+@pytest.fixture(scope="session")
 def one_step_sweep():
     """write(path, name): a sweep file of the CPU demo (absolute base) at `path` named `name`, ONE_STEP_DEMO
     for every run and a grid of two learning rates: runs `<name>/lr=0.001` and `<name>/lr=0.004`."""
