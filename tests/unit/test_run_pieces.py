@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rl.checkpoint import checkpoint_dirs, latest_checkpoint, load_driver_state, save_checkpoint
 from rl.data.loader import Prompt, PromptLoader
@@ -84,6 +85,10 @@ def test_a_kl_violation_saves_where_trainer_and_rollout_part(tmp_path):
     assert top["gap"] == pytest.approx(0.35 + 1e-4, rel=1e-3) and top["group"] == 0
     worst = summary["largest_sample_k3"][0]
     assert worst["sample"] == 1 and worst["share_of_step_k3"] > 0.99
+    # one token of 24 carries the step's k3; every other token is 1e-4 apart
+    spread = summary["concentration"]
+    assert spread["top_1pct_tokens_share"] > 0.99 and spread["top_10_tokens_share"] > 0.99
+    assert spread["abs_gap_median"] == pytest.approx(1e-4, rel=1e-2)
     assert summary["metrics"]["rollout_corr/k3_kl"] == metrics["rollout_corr/k3_kl"]
     # the per-token arrays, flat with offsets, load without pickle; their k3 is the step's
     arrays = np.load(tmp_path / "kl_violations" / summary["arrays"], allow_pickle=False)
@@ -91,6 +96,23 @@ def test_a_kl_violation_saves_where_trainer_and_rollout_part(tmp_path):
     d = arrays["trainer_logp"].astype(np.float64) - arrays["rollout_logp"]
     assert float(np.mean(np.expm1(d) - d)) == pytest.approx(metrics["rollout_corr/k3_kl"], rel=1e-3)
     assert not list((tmp_path / "kl_violations").glob(".*"))  # no temporary file left
+
+
+def test_concentration_tells_a_few_tokens_from_a_spread_gap():
+    from rl.monitor import concentration
+
+    mask = torch.ones(4, 250, dtype=torch.bool)
+    mask[:, 200:] = False  # padding: never counted, whatever it holds
+    even = torch.full((4, 250), 0.01)
+    even[:, 200:] = 5.0
+    spread = concentration(even, mask)  # 800 equal gaps: 10 tokens hold 10/800, the top 1 % (8) 8/800
+    assert spread["top_10_tokens_share"] == pytest.approx(10 / 800)
+    assert spread["top_1pct_tokens_share"] == pytest.approx(8 / 800)
+    assert spread["abs_gap_median"] == pytest.approx(0.01)
+    few = even.clone()
+    few[0, :3] = -1.0  # three tokens far apart
+    assert concentration(few, mask)["top_1pct_tokens_share"] > 0.9
+    assert concentration(even, torch.zeros_like(mask))["top_10_tokens_share"] == 0.0
 
 
 def test_the_driver_saves_the_first_violations_only(tmp_path):
