@@ -115,9 +115,9 @@ def save_violation(
     both log-probs, flat, with each sample's offset into them (`np.load` without pickle), and
     `step_N.json` the step's `rollout_corr/*` metrics, how its k3 is spread (`concentration`), the tokens
     with the largest gaps and the samples with the largest k3 (each with its index in the batch, group,
-    length, finish reason and adapter version). Only the tokens the policy sampled count (a multi-turn episode's environment tokens are
-    kept in the arrays, masked). Both files are written to a temporary name and renamed. Returns the
-    JSON's path."""
+    length, finish reason and adapter version). Only the tokens the policy sampled count (a multi-turn
+    episode's environment tokens are kept in the arrays, masked). Both files are written to a temporary name
+    and renamed. Returns the JSON's path."""
     out = Path(run_dir) / VIOLATIONS_DIR
     out.mkdir(parents=True, exist_ok=True)
     lengths = [len(s.response_ids) for s in samples]
