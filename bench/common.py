@@ -50,6 +50,7 @@ class Setup:
     rollout: Any = None  # rollout.pool.RolloutPool
     trainer: Any = None  # trainer.group.TrainerGroup
     owns_ray: bool = False
+    place: Any = None  # rl.placement's placement: where a command may start another trainer group
 
     def close(self) -> None:
         import ray
@@ -73,7 +74,7 @@ def start(cfg, rollout: bool = True, trainer: bool = True) -> Setup:
     if not (rollout or trainer):  # the command starts what it needs itself (bench.grpo: rl.driver.Run)
         return s
     s.owns_ray = init_ray(cfg)
-    place = create_placement(cfg)
+    place = s.place = create_placement(cfg)
     try:
         if rollout:
             s.rollout = build_rollout(cfg, place, rollout_path)

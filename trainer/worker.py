@@ -687,6 +687,9 @@ class TrainerWorker:
     def load_adapter(self, directory: str) -> None:
         """Loads a PEFT adapter written by `export_adapter`/`save_checkpoint` (same targets and rank)."""
         tensors, _ = read_peft_dir(directory)
+        # After a forward without backward (log_probs) FSDP2 leaves the root's parameters unsharded, plain
+        # tensors that the state-dict load cannot copy DTensors into: shard them back first.
+        self.hf_model.reshard()
         expected = {lora.peft_key(k): v for k, v in self._lora_fqns().items()}
         lora.check_adapter(expected, tensors, f"adapter {directory}")
         by_peft = {lora.peft_key(k): k for k in self._lora_fqns()}

@@ -93,6 +93,38 @@ def test_kl_replayed_routing_matches_the_rollout_closer_than_live_routing(setup,
     assert 0 <= on["k3_kl"] < 1e-3 and on["k3_kl"] <= off["k3_kl"] + 1e-6
 
 
+def _perturb_adapter(setup, directory):
+    import torch
+
+    from trainer.checkpoint_io import write_adapter
+
+    tensors, config = setup.trainer.export_adapter(dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        k: v + 0.05 * torch.randn(v.shape, generator=g) if "lora_B" in k else v for k, v in tensors.items()
+    }
+    setup.trainer.load_adapter(write_adapter(directory, tensors, config))
+
+
+def test_kl_fp32_reference_scores_with_the_trainers_adapter_in_float32(setup, tmp_path):
+    """The module's trainer computes in float32 already, so the float32 reference (a trainer group of its
+    own, the trainer's adapter loaded into it) must give the trainer's log-probs: the trainer's row 0 and
+    the rollout's row equal to r3_on. A reference with another adapter, live routing or the rows' sides
+    swapped would not. The adapter is loaded into a trainer that has only scored (a forward without
+    backward), as the reference's is."""
+    from bench.kl import BENCH
+
+    _run(BENCH, setup, tmp_path, "--prompts", "4", "--rows", "r3")  # scored: the FSDP root left unsharded
+    _perturb_adapter(setup, tmp_path / "adapter")  # a zero B would hide an adapter the reference lacks
+    rows = {r["row"]: r for r in _run(BENCH, setup, tmp_path, "--prompts", "8", "--rows", "r3,fp32")}
+    assert set(rows) == {"r3_on", "r3_off", "trainer_vs_fp32", "rollout_vs_fp32"}
+    assert rows["trainer_vs_fp32"]["k3_kl"] == 0.0
+    assert rows["rollout_vs_fp32"]["r3_replayed_fraction"] == 1.0
+    assert rows["rollout_vs_fp32"]["k3_kl"] == pytest.approx(rows["r3_on"]["k3_kl"], rel=1e-9)
+    assert rows["r3_on"]["k3_kl"] > 0
+    assert setup.trainer.spec.dtype == "float32" and setup.trainer.spec.base_format == "bf16"
+
+
 def test_trainer_counts_the_tokens_it_trained_on(setup, tmp_path):
     from bench.trainer import BENCH
 
