@@ -18,7 +18,7 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ class Bench:
     name: str
     doc: str
     columns: tuple[str, ...]  # the markdown table's columns, keys of the rows
-    measure: Callable[[Any, argparse.Namespace], list[dict]]  # (Setup, args) -> rows
+    measure: Callable[[Any, argparse.Namespace], Iterable[dict]]  # (Setup, args) -> rows, or yields them
     add_args: Callable[[argparse.ArgumentParser], None] = lambda p: None
     rollout: bool = True
     trainer: Callable[[Any], bool] = lambda cfg: True  # from the config: whether the trainer is started
@@ -104,7 +104,10 @@ def parser(bench: Bench) -> argparse.ArgumentParser:
 
 
 def run(bench: Bench, argv: list[str] | None = None, setup: Setup | None = None) -> dict:
-    """Parse, start (unless `setup` is given: tests share one), measure, write; returns the JSON document."""
+    """Parse, start (unless `setup` is given: tests share one), measure, write; returns the JSON document.
+
+    A measure that yields its rows has each written as it comes (the document's `complete` false until the
+    last): a GPU call cut by its time limit, or an engine that dies in a later row, keeps the rows before."""
     from rl.config import load_config
 
     args = parser(bench).parse_args(argv)
@@ -113,23 +116,31 @@ def run(bench: Bench, argv: list[str] | None = None, setup: Setup | None = None)
         cfg = load_config(args.recipe, args.overrides)
         setup = start(cfg, bench.rollout, bench.trainer(cfg))
     s = setup
-    try:
-        rows = bench.measure(s, args)
-    finally:
-        if own:
-            s.close()
     doc = {
         "bench": bench.name,
         "env": env_info(bench.name, argv if argv is not None else sys.argv[1:]),
         "config": {"recipe": args.recipe, "overrides": args.overrides, "model": s.model_path},
         "args": {k: v for k, v in vars(args).items() if k not in ("recipe", "overrides", "out")},
-        "rows": rows,
+        "complete": False,
+        "rows": [],
     }
     out = Path(args.out)
-    write_atomic(out / f"{bench.name}.json", json.dumps(doc, indent=1, default=str) + "\n")
-    write_atomic(out / f"{bench.name}.md", markdown(doc, bench.columns))
+    try:
+        for row in bench.measure(s, args):
+            doc["rows"].append(row)
+            _write(doc, bench, out)
+    finally:
+        if own:
+            s.close()
+    doc["complete"] = True
+    _write(doc, bench, out)
     print(markdown(doc, bench.columns))
     return doc
+
+
+def _write(doc: dict, bench: Bench, out: Path) -> None:
+    write_atomic(out / f"{bench.name}.json", json.dumps(doc, indent=1, default=str) + "\n")
+    write_atomic(out / f"{bench.name}.md", markdown(doc, bench.columns))
 
 
 def main(bench: Bench) -> int:
@@ -173,6 +184,8 @@ def markdown(doc: dict, columns: tuple[str, ...]) -> str:
         f"`{e['command']}`",
         "",
     ]
+    if not doc.get("complete", True):
+        lines.insert(-1, "Incomplete: the command stopped after these rows.")
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -54,7 +55,7 @@ def _row(name: str, trainer_logp: list, samples: list, extra: dict | None = None
     }
 
 
-def measure(s, args) -> list[dict]:
+def measure(s, args) -> Iterator[dict]:
     from rl.setup import load_prompts_for, prompt_requests, sampling_spec
 
     cfg = s.cfg
@@ -62,7 +63,6 @@ def measure(s, args) -> list[dict]:
     prompts = load_prompts_for(cfg, cfg.data.train, s.tokenizer, "bench-kl", args.prompts)[: args.prompts]
     samples = s.rollout.generate(prompt_requests(prompts), sampling_spec(cfg, seed=args.seed))
     samples = [x for x in samples if x.response_ids]
-    rows = []
     replayed = None  # the trainer's log-probs with the rollout's routing
     if "r3" in args.rows or "fp32" in args.rows:
         for name, replay in (("r3_on", True), ("r3_off", False)):
@@ -77,7 +77,7 @@ def measure(s, args) -> list[dict]:
             if replay:
                 replayed = logp
             if "r3" in args.rows:
-                rows.append(_row(name if cfg.r3.enabled else "r3_disabled", logp, scored, extra))
+                yield _row(name if cfg.r3.enabled else "r3_disabled", logp, scored, extra)
     if "fp32" in args.rows:
         reference, m = _fp32_log_probs(s, samples)
         extra = {"r3_replayed_fraction": m.get("r3/replayed_fraction", 0.0), "reference_dtype": "float32"}
@@ -85,16 +85,13 @@ def measure(s, args) -> list[dict]:
         as_reference = [
             dataclasses.replace(x, response_logprobs=np.asarray(r)) for x, r in zip(samples, reference)
         ]
-        rows.append(
-            _row("trainer_vs_fp32", replayed, as_reference, {**extra, "trainer_dtype": cfg.model.dtype})
-        )
-        rows.append(_row("rollout_vs_fp32", reference, samples, extra))
+        yield _row("trainer_vs_fp32", replayed, as_reference, {**extra, "trainer_dtype": cfg.model.dtype})
+        yield _row("rollout_vs_fp32", reference, samples, extra)
     if "same_engine" in args.rows:
         seqs = [x.prompt_ids + x.response_ids for x in samples]
         prefill = s.rollout.prompt_logprobs(seqs, use_adapter=cfg.sync.mode == "adapter")
         rescored = [np.asarray(lp)[len(lp) - len(x.response_ids) :] for lp, x in zip(prefill, samples)]
-        rows.append(_row("same_engine", rescored, samples))
-    return rows
+        yield _row("same_engine", rescored, samples)
 
 
 def _fp32_log_probs(s, samples: list) -> tuple[list, dict]:

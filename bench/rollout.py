@@ -14,6 +14,7 @@ With `sync.mode=adapter` the trainer is started and its adapter loaded first, so
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -46,17 +47,16 @@ def timed(s, batch: int, prompt_len: int, max_tokens: int, seed: int) -> tuple[f
     return time.perf_counter() - t, sum(len(x.response_ids) for x in samples)
 
 
-def measure(s, args) -> list[dict]:
+def measure(s, args) -> Iterator[dict]:
     if s.trainer is not None:
         sync_adapter(s, 1)
     for b in args.batch_sizes:
         timed(s, b, args.prompt_len, WARMUP_TOKENS, seed=10_000 + b)
-    rows = []
     for b in args.batch_sizes:
         runs = [timed(s, b, args.prompt_len, args.output_len, seed=b + 1000 * r) for r in range(args.repeats)]
         rates = [tokens / seconds for seconds, tokens in runs]
         rate = median(rates)
-        rows.append(
+        yield (
             {
                 "batch": b,
                 "prompt_len": args.prompt_len,
@@ -69,7 +69,6 @@ def measure(s, args) -> list[dict]:
                 "lora": s.cfg.sync.mode == "adapter",
             }
         )
-    return rows
 
 
 def _args(p) -> None:
