@@ -96,7 +96,8 @@ def measure(s, args) -> Iterator[dict]:
 
 def _fp32_log_probs(s, samples: list) -> tuple[list, dict]:
     """The samples' log-probs from a trainer group computing in float32 with the trainer's adapter, on the
-    trainer's placement (the trainer group is shut down first: a device holds one of them)."""
+    trainer's placement (the trainer group is shut down first: a device holds one of them). The adapter
+    reaches the new ranks through a temporary directory of this process: one node or a shared filesystem."""
     from rl.setup import build_trainer, trainer_spec
     from trainer.checkpoint_io import write_adapter
 
