@@ -50,3 +50,14 @@ def test_a_finished_command_is_complete_whether_it_yields_or_returns(tmp_path):
         on_disk = json.loads((out / "probe.json").read_text())
         assert doc["complete"] is True and on_disk["complete"] is True and on_disk["rows"] == rows
         assert "Incomplete" not in (out / "probe.md").read_text()
+
+
+def test_kl_rows_of_another_name_are_one_clear_line(capsys):
+    from bench.common import parser
+    from bench.kl import BENCH
+
+    assert parser(BENCH).parse_args(["demo_cpu", "--rows", "fp32,r3"]).rows == ["fp32", "r3"]
+    with pytest.raises(SystemExit):
+        parser(BENCH).parse_args(["demo_cpu", "--rows", "r3,fp64"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--rows" in err and "'r3,fp64'" in err and "r3, fp32, same_engine" in err
