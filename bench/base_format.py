@@ -19,7 +19,9 @@ Per model (bench.models' Muse-shaped and Qwen3-MoE-shaped models; `--tiny` their
                      (teacher-forced, the rollout's routing replayed) against the sampled log-probs.
 Rows go to DIR/base_format.json (one per model and format) as they finish. `--dequant torch` dequantizes with
 compressed-tensors' elementwise ops instead of the Triton kernel (the same bits); `--profile` adds one step
-under torch.profiler, its ops by device time in DIR/profile_MODEL_FORMAT.txt.
+under torch.profiler, its ops by device time in DIR/profile_MODEL_FORMAT.txt. Layers are recomputed whole in
+backward unless `--activation-memory-budget B` (compiled layers: the partitioner keeps what fits in B and
+recomputes the rest, `trainer.activation_memory_budget`).
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def trainer_spec(model: dict, fmt: str, args):
             lr=1e-5,
             micro_batch_tokens=max(args.micro_batch_tokens, max_seq),
             activation_checkpointing=True,
+            activation_memory_budget=args.activation_memory_budget,
             compile=cuda and not args.no_compile,
             logits_chunk_tokens=args.logits_chunk_tokens,
         ),
@@ -257,6 +260,13 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--no-compile", action="store_true", help="eager trainer layers on CUDA")
+    p.add_argument(
+        "--activation-memory-budget",
+        type=float,
+        default=0.0,
+        help="compiled layers: the partitioner's activation budget (trainer.activation_memory_budget) "
+        "instead of recomputing whole layers",
+    )
     p.add_argument("--kl-prompts", type=int, default=64)
     p.add_argument("--kl-n", type=int, default=4)
     p.add_argument("--kl-max-tokens", type=int, default=64)
