@@ -104,28 +104,6 @@ def _lora_linear(x, weight, offsets, factors) -> torch.Tensor:
     return out
 
 
-class _GatherRows(torch.autograd.Function):
-    """out[i] = src[index[i] // repeat], where index is a permutation of range(len(src) * repeat) and
-    inverse its inverse: each row of src is read `repeat` times. Its gradient is a gather too,
-    grad_src[t] = sum_j grad_out[inverse[t * repeat + j]], where autograd's rule for indexing is a scatter-add
-    into zeros (index_put with accumulate): atomic adds, and on the GPU the MoE layer's slowest element-wise
-    kernels after its matmuls."""
-
-    @staticmethod
-    def forward(ctx, src, index, inverse, repeat: int):
-        ctx.save_for_backward(inverse)
-        ctx.repeat = repeat
-        return src[index // repeat] if repeat > 1 else src[index]
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        rows = grad[inverse]
-        if ctx.repeat > 1:
-            rows = rows.view(-1, ctx.repeat, grad.shape[-1]).sum(dim=1)
-        return rows, None, None, None
-
-
 def grouped_lora_experts_forward(
     experts: nn.Module,
     factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
@@ -136,10 +114,8 @@ def grouped_lora_experts_forward(
     """transformers' fused-experts forward (sum over the k routed experts of weight * SwiGLU expert) with
     each adapted projection's LoRA pair added. hidden_states [T, H]; top_k_index / top_k_weights [T, k]."""
     num_tokens, k = top_k_index.shape
-    expert_ids, order = torch.sort(top_k_index.reshape(-1))  # order[i]: the (token, slot) at sorted row i
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    x = _GatherRows.apply(hidden_states, order, inverse, k)  # [T * k, H], grouped by expert
+    expert_ids, order = torch.sort(top_k_index.reshape(-1))
+    x = hidden_states[order // k]  # [T * k, H], grouped by expert
     # Group ends from the sorted ids: fixed size [E], computed on the device. (bincount's output size
     # depends on the largest id, so it waited for the device in every layer and broke the compiled graph.)
     bounds = torch.arange(experts.num_experts, device=expert_ids.device, dtype=expert_ids.dtype)
@@ -148,12 +124,12 @@ def grouped_lora_experts_forward(
     h = _lora_linear(x, experts.gate_up_proj, offsets, factors.get("gate_up_proj"))
     h = experts._apply_gate(h)
     y = _lora_linear(h, experts.down_proj, offsets, factors.get("down_proj"))
+    y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
 
-    # Back to (token, slot) order, then the routing weights' sum over the k slots (a gather, a multiply and a
-    # sum that the compiler fuses into one pass; deterministic, unlike index_add_).
-    slots = _GatherRows.apply(y, inverse, order, 1).view(num_tokens, k, -1)
-    weighted = slots * top_k_weights.to(y.dtype).unsqueeze(-1)
-    return weighted.sum(dim=1).to(hidden_states.dtype)
+    # Back to (token, slot) order, then sum the k slots (a reshape and sum: deterministic, unlike index_add_).
+    unsorted = torch.empty_like(y)
+    unsorted[order] = y
+    return unsorted.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
 _forward = grouped_lora_experts_forward

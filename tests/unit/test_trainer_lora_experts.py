@@ -173,26 +173,3 @@ def test_compiled_moe_block_is_one_graph_and_matches_eager():
     torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
     for a, b in zip(grads, g_ref):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
-
-
-@pytest.mark.parametrize("repeat", [1, 3])
-def test_row_gather_gradient_is_indexing_gradient(repeat):
-    """The expert function's row gather (forward src[index // repeat], backward a gather by the inverse
-    permutation and a sum over the repeats) has the gradient of plain indexing, whose backward is a
-    scatter-add: gradcheck in float64, and equal to autograd's own rule."""
-    from trainer.lora_experts import _GatherRows
-
-    g = torch.Generator().manual_seed(0)
-    rows = 5
-    src = torch.randn(rows, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    index = torch.randperm(rows * repeat, generator=g)
-    inverse = torch.empty_like(index)
-    inverse[index] = torch.arange(index.numel())
-    assert torch.autograd.gradcheck(lambda s: _GatherRows.apply(s, index, inverse, repeat), (src,))
-
-    out = _GatherRows.apply(src, index, inverse, repeat)
-    assert torch.equal(out, src[index // repeat])
-    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    (mine,) = torch.autograd.grad(out, src, grad_out)
-    (reference,) = torch.autograd.grad(src[index // repeat], src, grad_out)
-    torch.testing.assert_close(mine, reference)
