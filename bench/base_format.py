@@ -243,8 +243,8 @@ def rollout_samples(model: dict, args, stage_root: Path) -> tuple[list, str]:
     return samples, weights
 
 
-def main(argv=None) -> int:
-    from bench.models import NAMES, build, spec_for
+def parser() -> argparse.ArgumentParser:
+    from bench.models import NAMES
 
     p = argparse.ArgumentParser(prog="python -m bench.base_format", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for base_format.json (created)")
@@ -283,8 +283,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="one more train step under torch.profiler: OUT/profile_MODEL_FORMAT.txt, ops by device time",
     )
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv=None) -> int:
+    from bench.models import build, spec_for
+
+    args = parser().parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(args.root) if args.root else out / "models"
