@@ -8,7 +8,8 @@ dequantization: the trainer's base with `trainer.base_format=bf16`; `nvfp4` read
 tokenizer is rl.tiny's local BPE (vocab ~1k), so the LM head is negligible and the figures are those of the
 decoder layers.
 
-Built once into `<root>/<name>-<hash>/` (the hash covers the spec and BUILD_VERSION); a later call reuses it.
+Built once into `<root>/<name>-<hash>/` (the hash covers the spec and BUILD_VERSION); a later call reuses it,
+and `<root>/<name>` links to the last one built or reused.
 `python -m bench.models --root DIR [--tiny] [--models muse,qwen3_moe]` builds them on their own.
 """
 
@@ -19,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -175,13 +177,27 @@ def model_dir(root: Path, spec: ModelSpec) -> Path:
     return Path(root) / f"{spec.name}-{h.hexdigest()[:12]}"
 
 
+def link_latest(root: Path, spec: ModelSpec) -> Path:
+    """`<root>/<name>` -> the model's build directory, replaced in one rename: the fixed path that configs
+    name (bench/bench_models_1gpu.yaml: `<root>/qwen3_moe/nvfp4`). It follows the last build or reuse, full
+    size or `--tiny`."""
+    link = Path(root) / spec.name
+    tmp = Path(root) / f".{spec.name}.link"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(model_dir(root, spec).name)
+    os.replace(tmp, link)
+    return link
+
+
 def build(spec: ModelSpec, root: Path, log=print) -> dict:
-    """Build (or reuse) the model's bf16/, nvfp4/ and dq/ copies; returns build.json's contents."""
+    """Build (or reuse) the model's bf16/, nvfp4/ and dq/ copies; returns build.json's contents.
+    `<root>/<name>` then links to them (link_latest)."""
     d = model_dir(root, spec)
     done = d / "build.json"
     if done.exists():
         info = json.loads(done.read_text())
         log(f"model {spec.name}: reusing {d}")
+        link_latest(root, spec)
         return info
     import shutil
 
@@ -249,6 +265,7 @@ def build(spec: ModelSpec, root: Path, log=print) -> dict:
         "bytes": {k: _dir_bytes(d / k) for k in ("bf16", "nvfp4", "dq")},
     }
     done.write_text(json.dumps(info, indent=1))
+    link_latest(root, spec)
     log(
         f"model {spec.name}: built in {t3 - t0:.0f}s (sft {report['train_s']}s, quantize {t3 - t2:.0f}s); "
         f"final loss {report['final_loss']:.3f}, held-out acc {report['heldout_acc']:.2f}, "

@@ -187,3 +187,48 @@ def test_muse_slice_recipe_fits_two_full_width_layers_on_80gib(tmp_path):
         margins[layers] = p.margin / GiB
     assert margins[2] == pytest.approx(3.1, abs=0.05)  # the margin the config's comment states
     assert margins[3] < 0
+
+
+def test_bench_models_config_fits_both_bench_models_through_their_link(tmp_path):
+    """bench/bench_models_1gpu.yaml on the bench models' full-size configs (bench.models.hf_config, the NVFP4
+    copy with the quantization_config `make-random --config-only` writes; no tensors), reached through the
+    link bench.models keeps at <root>/<name>: one 80 GiB GPU fits each, the engine on NVFP4 and the trainer on
+    the BF16 twin. The link follows the last build reused (here the tiny one after the full one)."""
+    import json
+
+    from bench import models as B
+    from rl.quantize import make_random
+
+    nvfp4 = make_random("qwen3_30b_a3b", tmp_path / "q", config_only=True) / "config.json"
+    quantization = json.loads(nvfp4.read_text())["quantization_config"]
+    root = tmp_path / "models"
+    for name in ("qwen3_moe", "muse"):
+        spec = B.FULL[name]
+        d = B.model_dir(root, spec)
+        config = B.hf_config(spec, 1024, 1, 2)
+        for sub in ("dq", "nvfp4"):
+            config.save_pretrained(d / sub)
+        written = json.loads((d / "nvfp4" / "config.json").read_text())
+        (d / "nvfp4" / "config.json").write_text(json.dumps({**written, "quantization_config": quantization}))
+        (d / "build.json").write_text(json.dumps({"dir": str(d)}))
+        assert B.build(spec, root, log=lambda *a: None) == {"dir": str(d)}  # reused, not rebuilt
+        assert (root / name).resolve() == d.resolve()
+
+        overrides = [f"model.path={root / name / 'dq'}", f"model.rollout_path={root / name / 'nvfp4'}"]
+        cfg = load_config(
+            ROOT / "bench" / "bench_models_1gpu.yaml", overrides + [f"lora.target_latent={name == 'muse'}"]
+        )
+        p = P.make_plan(cfg)
+        assert (p.rollout_format, p.base_format, p.shape.hidden, p.shape.num_experts) == (
+            "nvfp4",
+            "bf16",
+            2048,
+            64,
+        )
+        assert p.fits and p.gpu_bytes == 80 * GiB
+
+    tiny = B.model_dir(root, B.TINY["muse"])
+    tiny.mkdir(parents=True)
+    (tiny / "build.json").write_text("{}")
+    B.build(B.TINY["muse"], root, log=lambda *a: None)
+    assert (root / "muse").resolve() == tiny.resolve()
