@@ -78,6 +78,14 @@ class ModelConfig:
     )
     rollout_path: str = _f("", "Rollout weights, e.g. the NVFP4 checkpoint ('' = same as `model.path`).")
     dtype: str = _f("bfloat16", "Dtype of the frozen base weights on both sides.", ("bfloat16", "float32"))
+    head_dtype: str = _f(
+        "float32",
+        "The LM head's logits on both sides: float32 (the head's matmul accumulated and kept in fp32, the "
+        "trainer's and vLLM's `head_dtype`) or model (rounded to `model.dtype` first, then fp32 for the "
+        "softmax). Rounding the logits to bf16 moves a log-prob by up to a bf16 step of the largest logit, "
+        "which a trainer and an engine whose arithmetic differs slightly round differently.",
+        ("float32", "model"),
+    )
     trust_remote_code: bool = _f(False, "Allow model code shipped with the checkpoint (transformers, vLLM).")
     make_tiny: MakeTinyConfig = _f(MakeTinyConfig, "Tiny model built on the fly (CPU demo and tests).")
 

@@ -21,6 +21,7 @@ class EngineSpec:
     model_path: str
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     dtype: str = "bfloat16"
+    head_dtype: str = "float32"  # the LM head's logits: float32 or model (vLLM's `head_dtype` override)
     max_model_len: int = 0  # 0 = the model's own context length
     seed: int = 0  # rollout.seed resolved (its default interpolates run.seed)
     enable_lora: bool = False

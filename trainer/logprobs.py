@@ -7,8 +7,12 @@ never exists. Under autograd each chunk is checkpointed: backward recomputes tha
 of keeping them (the head's weight is the FSDP root's, unsharded from the root's forward until the end of
 backward: FSDP2 does not reshard the root after forward).
 
-Per row the computation is the one the trainer ran on the full logits (head in the model dtype, then fp32
-log_softmax; entropy from the same fp32 logits, no gradient), so the values match. The fp32 logits are
+Per row the computation is the one the trainer ran on the full logits (the head's fp32 logits, then the fp32
+log_softmax; entropy from the same logits, no gradient), so the values match. The head's matmul keeps its fp32
+accumulator (`model.head_dtype: float32`, as vLLM's `head_dtype` does for the engine): logits rounded to
+bf16 are off by up to half a bf16 step of their size (0.06 at a logit of 16), and two stacks whose hidden
+states differ in the last bits round some of them apart, which moves those tokens' log-probs by as much.
+`head_dtype: model` rounds to the model dtype first, as the head computed before. The fp32 logits are
 divided by the rollout's sampling temperature first and, with a nucleus (top_p < 1), the tokens outside it
 are masked out, as vLLM's sampler does before the log-probs it returns (`logprobs_mode="processed_logprobs"`):
 the trainer scores the distribution the samples were drawn from.
@@ -61,6 +65,48 @@ def outside_nucleus(logits: torch.Tensor, top_p: float, targets: torch.Tensor) -
     return out
 
 
+class _Float32Head(torch.autograd.Function):
+    """logits = hidden @ weight^T (+ bias) in fp32 from model-dtype operands: on CUDA one matmul with an fp32
+    output (torch.mm's out_dtype), elsewhere the operands cast to fp32 (exact: a bf16 value is an fp32
+    one). Backward is the model-dtype head's: the fp32 gradient rounded to the model dtype, then matmuls in
+    it (no fp32 copy of a vocabulary-sized weight)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias):
+        if hidden.is_cuda:
+            logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        else:
+            logits = hidden.float() @ weight.float().t()
+        if bias is not None:
+            logits = logits + bias.float()
+        ctx.save_for_backward(hidden, weight)
+        ctx.has_bias = bias is not None
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        g = grad.to(weight.dtype)
+        grad_hidden = g @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = g.t() @ hidden if ctx.needs_input_grad[1] else None
+        grad_bias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias
+
+
+def head_logits(head: nn.Module, hidden: torch.Tensor, float32: bool) -> torch.Tensor:
+    """[N, V] fp32 logits of the LM head (an nn.Linear) on hidden [N, H]: its matmul kept in fp32 (float32),
+    or rounded to the model dtype first."""
+    weight = getattr(head, "weight", None)
+    if not float32 or weight is None or weight.dtype == torch.float32:
+        return head(hidden).float()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(
+            f"model.head_dtype=float32: the LM head is a {type(head).__name__}, not a linear layer; "
+            "model.head_dtype=model computes it as it is"
+        )
+    return _Float32Head.apply(hidden, weight, head.bias)
+
+
 def _chunk(
     head: nn.Module,
     hidden: torch.Tensor,
@@ -69,8 +115,9 @@ def _chunk(
     entropy_grad: bool,
     temperature: float,
     top_p: float,
+    float32_head: bool = True,
 ):
-    logits = head(hidden).float()
+    logits = head_logits(head, hidden, float32_head)
     if temperature != 1.0:
         logits = logits / temperature
     if top_p < 1.0:
@@ -93,12 +140,14 @@ def head_logprobs(
     entropy_grad: bool = False,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    float32_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [B, W, H] (the positions that predict `targets` [B, W]) -> log-probs of the targets [B, W]
     fp32 (with grad when enabled) and entropy [B, W] fp32 or None. chunk_tokens: rows per head call
     (0 = all rows in one call). entropy_grad: the entropy carries grad too (the entropy bonus). temperature,
     top_p: the sampling distribution the log-probs and entropy are of (the logits divided by temperature,
-    renormalised over the top_p nucleus; top_p = 1: the whole vocabulary)."""
+    renormalised over the top_p nucleus; top_p = 1: the whole vocabulary). float32_head: the head's logits
+    unrounded (`model.head_dtype: float32`), else rounded to the model dtype."""
     shape = targets.shape
     rows = hidden.reshape(-1, hidden.shape[-1])
     flat = targets.reshape(-1)
@@ -108,10 +157,19 @@ def head_logprobs(
     for h, t in zip(rows.split(size), flat.split(size)):
         if grad:
             lp, ent = checkpoint(
-                _chunk, head, h, t, with_entropy, entropy_grad, temperature, top_p, use_reentrant=False
+                _chunk,
+                head,
+                h,
+                t,
+                with_entropy,
+                entropy_grad,
+                temperature,
+                top_p,
+                float32_head,
+                use_reentrant=False,
             )
         else:
-            lp, ent = _chunk(head, h, t, with_entropy, entropy_grad, temperature, top_p)
+            lp, ent = _chunk(head, h, t, with_entropy, entropy_grad, temperature, top_p, float32_head)
         logps.append(lp)
         entropies.append(ent)
     if not logps:  # zero rows

@@ -22,6 +22,7 @@ class TrainerSpec:
     lora: LoraConfig = field(default_factory=LoraConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     dtype: str = "bfloat16"  # compute dtype of the frozen base weights; LoRA weights are always fp32
+    head_dtype: str = "float32"  # the LM head's logits: float32 (unrounded) or model (rounded to dtype)
     # `trainer.base_format` resolved against the checkpoint: how the frozen base weights that an NVFP4
     # checkpoint holds packed live in the trainer (trainer/nvfp4_tensor.py): nvfp4 = packed, dequantized
     # per layer after FSDP's all-gather; bf16 = the checkpoint's dequantized twin

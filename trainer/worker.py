@@ -269,6 +269,7 @@ class TrainerWorker:
             entropy_grad,
             self.spec.temperature,
             self.spec.top_p,
+            float32_head=self.spec.head_dtype == "float32",
         )
 
     @staticmethod

@@ -350,6 +350,31 @@ def test_engine_args_reach_vllm_over_the_settings_sparkrl_makes(tmp_path):
     assert engine_spec(load_config(recipe(tmp_path)), "/m").rollout.engine_args == {}
 
 
+def test_head_dtype_reaches_the_engine_and_the_trainer(tmp_path):
+    """model.head_dtype is one setting for both sides: vLLM's head_dtype override (merged with a user's own
+    hf_overrides, whose head_dtype wins) and the trainer's spec."""
+    from rl.setup import engine_spec, trainer_spec
+    from rollout.worker import ModelInfo, engine_kwargs
+
+    info = ModelInfo(num_layers=2, num_experts=0, top_k=0, quantization=None)
+    cfg = load_config(recipe(tmp_path))
+    assert cfg.model.head_dtype == "float32"
+    assert engine_kwargs(engine_spec(cfg, "/m"), info)["hf_overrides"] == {"head_dtype": "float32"}
+    assert trainer_spec(cfg, "/m").head_dtype == "float32"
+
+    rounded = load_config(recipe(tmp_path), ["model.head_dtype=model"])
+    assert engine_kwargs(engine_spec(rounded, "/m"), info)["hf_overrides"] == {"head_dtype": "model"}
+    assert trainer_spec(rounded, "/m").head_dtype == "model"
+
+    own = load_config(recipe(tmp_path), ["rollout.engine_args={hf_overrides: {rope_theta: 5.0}}"])
+    assert engine_kwargs(engine_spec(own, "/m"), info)["hf_overrides"] == {
+        "head_dtype": "float32",
+        "rope_theta": 5.0,
+    }
+    with pytest.raises(Exception, match="head_dtype"):
+        load_config(recipe(tmp_path), ["model.head_dtype=float16"])
+
+
 class _Platform:
     """vLLM's current_platform as the rollout worker reads the GPU's memory from it: a CUDA one whose NVML
     says `total` bytes, or (total None) a CPU one. The machine running the tests may have either, or none."""

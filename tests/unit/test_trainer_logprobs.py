@@ -195,3 +195,34 @@ def test_the_nucleus_adds_the_planners_12_bytes_a_logit_at_peak():
     extra = peak(0.9) - peak(1.0)
     planned = _logits_bytes(chunk, vocab, 4, nucleus=True) - _logits_bytes(chunk, vocab, 4)
     assert 0.9 * planned <= extra <= 1.05 * planned, (extra, planned)
+
+
+def test_float32_head_keeps_the_matmul_unrounded_with_the_model_dtype_backward():
+    """model.head_dtype float32: the logits of a bf16 head are the fp32 product of its bf16 operands (not
+    rounded to bf16: at logits near 30 a bf16 step is 0.125), and the gradient to the hidden states is the
+    bf16 head's (the fp32 gradient rounded to bf16, times the bf16 weight)."""
+    from trainer.logprobs import head_logits
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(64, 300, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(300, 64, generator=g) * 0.6)
+    hidden = torch.randn(40, 64, generator=g).to(torch.bfloat16).requires_grad_(True)
+
+    exact = hidden.detach().double() @ head.weight.detach().double().t()
+    assert exact.abs().max() > 16  # logits where a bf16 step is 0.125 or more
+    unrounded = head_logits(head, hidden, float32=True)
+    rounded = head_logits(head, hidden, float32=False)
+    assert unrounded.dtype == rounded.dtype == torch.float32
+    torch.testing.assert_close(unrounded.double(), exact, rtol=0, atol=1e-4)
+    assert (rounded.double() - exact).abs().max() > 1e-2  # what the rounding costs, which float32 avoids
+
+    upstream = torch.randn(unrounded.shape, generator=g)
+    (grad,) = torch.autograd.grad(unrounded, hidden, upstream)
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(grad, upstream.to(torch.bfloat16) @ head.weight.detach(), rtol=0, atol=0)
+    (rounded_grad,) = torch.autograd.grad(rounded, hidden, upstream)
+    torch.testing.assert_close(grad, rounded_grad, rtol=0, atol=0)
+
+    with pytest.raises(TypeError, match="model.head_dtype=model"):
+        head_logits(torch.nn.Embedding(300, 64).to(torch.bfloat16), hidden, float32=True)
