@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import logging
 import os
 import pickle
 import sys
@@ -350,7 +351,7 @@ def test_engine_args_reach_vllm_over_the_settings_sparkrl_makes(tmp_path):
     assert engine_spec(load_config(recipe(tmp_path)), "/m").rollout.engine_args == {}
 
 
-def test_head_dtype_reaches_the_engine_and_the_trainer(tmp_path):
+def test_head_dtype_reaches_the_engine_and_the_trainer(tmp_path, caplog):
     """model.head_dtype is one setting for both sides: vLLM's head_dtype override (merged with a user's own
     hf_overrides, whose head_dtype wins) and the trainer's spec."""
     from rl.setup import engine_spec, trainer_spec
@@ -366,6 +367,10 @@ def test_head_dtype_reaches_the_engine_and_the_trainer(tmp_path):
     assert engine_kwargs(engine_spec(rounded, "/m"), info)["hf_overrides"] == {"head_dtype": "model"}
     assert trainer_spec(rounded, "/m").head_dtype == "model"
 
+    mixed = load_config(recipe(tmp_path), ["rollout.engine_args={hf_overrides: {head_dtype: model}}"])
+    with caplog.at_level(logging.WARNING, logger="rl.setup"):
+        assert engine_kwargs(engine_spec(mixed, "/m"), info)["hf_overrides"] == {"head_dtype": "model"}
+    assert "hf_overrides.head_dtype model over model.head_dtype float32" in caplog.text
     own = load_config(recipe(tmp_path), ["rollout.engine_args={hf_overrides: {rope_theta: 5.0}}"])
     assert engine_kwargs(engine_spec(own, "/m"), info)["hf_overrides"] == {
         "head_dtype": "float32",
