@@ -137,6 +137,7 @@ def test_engine_settings_pass_through():
         scheduler_cls="rollout.vllm_ext.routing_at_finish_scheduler",  # R3 read once per sample
         enable_sleep_mode=True,
         swap_space=1,
+        hf_overrides={"head_dtype": "float32"},  # the LM head's logits in fp32, as the trainer's
     )
     # R3 only where there is routing; max_model_len 0 leaves vLLM's default.
     kw = engine_kwargs(EngineSpec(model_path="/m", return_routed_experts=True), DENSE)
