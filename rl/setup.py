@@ -328,7 +328,7 @@ def engine_spec(cfg: SparkConfig, model_path: str):
                 "rollout.engine_args.kv_cache_memory_bytes sets it"
             )
     own_head = (ro.engine_args.get("hf_overrides") or {}).get("head_dtype")
-    if own_head is not None and str(own_head) != {"float32": "float32"}.get(cfg.model.head_dtype, "model"):
+    if own_head is not None and str(own_head) != cfg.model.head_dtype:
         logging.getLogger(__name__).warning(
             "rollout.engine_args.hf_overrides.head_dtype %s over model.head_dtype %s: the engine's logits and "
             "the trainer's are computed differently, which raises the k3 between them",

@@ -154,11 +154,13 @@ def engine_kwargs(spec: EngineSpec, info: ModelInfo, bundles: EngineBundles | No
         backend = "marlin"
     if backend != "auto":
         kw["moe_backend"] = backend
-    # The LM head's logits as the trainer computes them (vLLM's head_dtype: fp32 accumulated and kept). A
-    # user's own engine_args.hf_overrides add to this, and its head_dtype wins.
-    overrides = {"head_dtype": "float32" if spec.head_dtype == "float32" else "model"}
+    # The LM head's logits as the trainer computes them: model.head_dtype's values are vLLM's head_dtype
+    # names. A user's own engine_args.hf_overrides add to this, and its head_dtype wins.
     kw.update(spec.rollout.engine_args)
-    kw["hf_overrides"] = {**overrides, **dict(spec.rollout.engine_args.get("hf_overrides") or {})}
+    kw["hf_overrides"] = {
+        "head_dtype": spec.head_dtype,
+        **dict(spec.rollout.engine_args.get("hf_overrides") or {}),
+    }
     return kw
 
 
